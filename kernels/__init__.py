@@ -1,0 +1,1 @@
+"""Triton kernels, installed as ``kimi_cg.kernels`` (see setup.py's package_dir)."""

@@ -1,0 +1,65 @@
+"""The torch.compile entry point: ``torch.compile(model, backend="kimi_cg")``.
+
+Runs the stages in order and nothing else: capture (inputs' roles), canonicalise (one pass per
+module), lift (split into host / device / post programs), host program (with the per-item
+metadata cache), device program (shared by structure), runner.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from kimi_cg import capture
+from kimi_cg.canonicalize import MergeGatherPass, SegmentAttentionPass
+from kimi_cg.config import KimiCGConfig
+from kimi_cg.counters import counters
+from kimi_cg.device_program import get_device_program
+from kimi_cg.errors import UnsupportedGraphError
+from kimi_cg.host_program import HostProgram
+from kimi_cg.lift import split
+from kimi_cg.runtime.runner import LiftedRunner
+from kimi_cg.debug import report_graph_break, write_lift_report
+
+logger = logging.getLogger(__name__)
+
+capture.configure_dynamo()  # NOTE [dynamo settings] in capture.py: the one global side effect.
+
+
+def _resolve_compiler(config: KimiCGConfig, example_inputs) -> str:
+    if config.device_compiler != "auto":
+        return config.device_compiler
+    on_cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
+    return "inductor" if on_cuda else "eager"
+
+
+def kimi_cg_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None, mode: str | None = None, **_):
+    config = KimiCGConfig.from_options(options)
+    counters["dynamo_graphs"] += 1
+    graph_id = counters["dynamo_graphs"]
+    debug_dir = os.path.join(config.debug_dir, f"graph_{graph_id:03d}") if config.debug_dir else None
+    report_graph_break(gm)
+    inputs = capture.classify_inputs(gm)
+    activations = [item.index for item in inputs if item.role is capture.InputRole.ACTIVATION]
+    if not activations or not any(item.role is capture.InputRole.GRID for item in inputs):
+        logger.info("kimi_cg: graph %d has no activation/grid inputs; running it unchanged", graph_id)
+        return gm.forward
+    try:
+        SegmentAttentionPass(debug_dir)(gm)
+        MergeGatherPass(debug_dir)(gm)
+        lifted = split(gm, inputs)
+    except UnsupportedGraphError:
+        if config.strict:
+            raise
+        logger.warning("kimi_cg: graph %d could not be lifted; running it unchanged", graph_id, exc_info=True)
+        return gm.forward
+    grid_inputs = [item.index for item in inputs if item.role is capture.InputRole.GRID]
+    const_inputs = {item.index for item in inputs if item.role is capture.InputRole.MODULE_STATE}
+    host = HostProgram(lifted.host, grid_inputs, const_inputs, config.metadata_cache_bytes)
+    host_inputs = frozenset(i for i, ref in enumerate(lifted.device.inputs) if ref.program == "host")
+    device = get_device_program(lifted.device.gm, _resolve_compiler(config, example_inputs), host_inputs)
+    if debug_dir:
+        write_lift_report(debug_dir, lifted, host, device)
+    return LiftedRunner(lifted, host, device, activations[0])

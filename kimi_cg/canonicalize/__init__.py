@@ -1,0 +1,14 @@
+"""Canonicalisation passes: one pass per module, each a ``GraphPass`` applied to the dynamo graph.
+
+Invariants every pass keeps (see docs/design.md):
+- the graph stays functional apart from the in-place ops the model itself wrote;
+- after all passes, no node that depends on pixel values has an output shape with a grid-dependent
+  (unbacked) symbol, and no such node takes a grid-dependent integer argument;
+- passes call ``graph.lint()`` and ``gm.recompile()`` after rewriting.
+"""
+
+from kimi_cg.canonicalize.base import GraphPass
+from kimi_cg.canonicalize.merge_gather import MergeGatherPass
+from kimi_cg.canonicalize.segment_attention import SegmentAttentionPass
+
+__all__ = ["GraphPass", "MergeGatherPass", "SegmentAttentionPass"]

@@ -1,0 +1,369 @@
+"""MergeGatherPass: per-item data movement on activations becomes one gather with a host-made index.
+
+The patch merger slices the packed activations per image and regroups each 2x2 window::
+
+    seq: "f32[u14, 64]" = x_4[0:mul_3]
+    view_4: "f32[(u10//2), 2, (u11//2), 2, 64]" = seq.view(floordiv_8, 2, floordiv_9, 2, 64)
+    windows = view_4.permute(0, 2, 1, 3, 4)
+    contiguous = windows.contiguous()                   # one copy kernel per image, per call
+    ... (the same for the next image)
+    return (contiguous, contiguous_1)
+
+Every output row is a row of ``x_4`` (or, for video chunks, the mean of t rows). The pass replays
+that chain on the host on a stand-in (``RowCombination``: for each output row, which anchor rows
+and with which weights), then the device only runs one fused gather::
+
+    rows = row_source(s0, 64)                           # host
+    seq' = row_getitem(rows, slice(0, mul_3)) ...       # host, same ops on the stand-in
+    plan = pack_rows([contiguous', contiguous_1'])      # host: index [R, K], weight [R, K]
+    gathered: "f32[R, 64]" = kimi_cg.merge_gather(x_4, plan_index(plan), plan_weight(plan))
+    return (take_rows(gathered, plan, 0), take_rows(gathered, plan, 1))   # views, after the device
+
+The device program's shapes then depend on L and R only. A region exit consumed by further
+device work (the projector after ``torch.cat``) must have the form [R', c1, ..., D] with constants
+c_i; it becomes ``gathered.view(-1, c1, ..., D)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import operator
+
+import torch
+import torch.fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+import kimi_cg.ops  # noqa: F401  (registers torch.ops.kimi_cg.*)
+from kimi_cg.capture import example_value
+from kimi_cg.canonicalize.base import GraphPass, stable_topological_sort
+from kimi_cg.errors import UnsupportedGraphError
+from kimi_cg.lift import activation_dependent_nodes, output_view_nodes, source_location
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class RowCombination:
+    """Host stand-in for a device tensor [*S, D]: row s equals sum_k weight[s, k] * anchor[index[s, k]].
+
+    ``index`` and ``weight`` are [*S, K]; index -1 contributes nothing. The stand-in has as many
+    dims as the tensor it replaces, so ops that leave the last dim alone apply to it unchanged.
+    """
+
+    index: torch.Tensor
+    weight: torch.Tensor
+    dim: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.index.shape[:-1]) + (self.dim,)
+
+    def map(self, fn) -> "RowCombination":
+        return RowCombination(fn(self.index), fn(self.weight), self.dim)
+
+
+@dataclasses.dataclass
+class RowPlan:
+    """All region exits packed for one gather: rows [offsets[i], offsets[i] + numel(shapes[i]))."""
+
+    index: torch.Tensor  # [R, K] int64
+    weight: torch.Tensor  # [R, K] float32
+    offsets: list[int]
+    shapes: list[tuple[int, ...]]
+
+
+def _normalize_dim(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+def _keep_last(rows: RowCombination, dims, op: str) -> None:
+    ndim = rows.index.dim()
+    if any(_normalize_dim(d, ndim) == ndim - 1 for d in dims):
+        raise UnsupportedGraphError(f"{op} touches the feature dimension of a per-item activation")
+
+
+def row_source(leading: tuple[int, ...], dim: int) -> RowCombination:
+    count = math.prod(leading)
+    index = torch.arange(count, dtype=torch.int64).view(*leading, 1)
+    return RowCombination(index, torch.ones(index.shape, dtype=torch.float64), dim)
+
+
+def row_getitem(rows: RowCombination, item) -> RowCombination:
+    items = item if isinstance(item, tuple) else (item,)
+    explicit = [i for i in items if i is not None and i is not Ellipsis]
+    if len(explicit) >= rows.index.dim() and not (Ellipsis in items or explicit[-1] == slice(None)):
+        raise UnsupportedGraphError("indexing the feature dimension of a per-item activation")
+    if any(isinstance(i, torch.Tensor) for i in items):
+        raise UnsupportedGraphError("tensor indexing of a per-item activation")
+    return rows.map(lambda t: t[item])
+
+
+def row_view(rows: RowCombination, *sizes) -> RowCombination:
+    if len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size)):
+        sizes = tuple(sizes[0])
+    leading, last = list(sizes[:-1]), sizes[-1]
+    if last not in (rows.dim, -1) or (last == -1 and -1 in leading):
+        raise UnsupportedGraphError(f"view {tuple(sizes)} changes the feature dimension {rows.dim}")
+    if last == -1 and math.prod(leading) != math.prod(rows.index.shape[:-1]):
+        raise RuntimeError(f"shape {list(sizes)} is invalid for input of size {math.prod(rows.shape)}")
+    keep = rows.index.shape[-1]
+    return rows.map(lambda t: t.view(*leading, keep))
+
+
+def row_permute(rows: RowCombination, *dims) -> RowCombination:
+    if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
+        dims = tuple(dims[0])
+    ndim = rows.index.dim()
+    if _normalize_dim(dims[-1], ndim) != ndim - 1:
+        raise UnsupportedGraphError("permute moves the feature dimension of a per-item activation")
+    return rows.map(lambda t: t.permute(*dims))
+
+
+def row_transpose(rows: RowCombination, dim0: int, dim1: int) -> RowCombination:
+    _keep_last(rows, (dim0, dim1), "transpose")
+    return rows.map(lambda t: t.transpose(dim0, dim1))
+
+
+def row_identity(rows: RowCombination, *args, **kwargs) -> RowCombination:
+    return rows.map(lambda t: t.contiguous())
+
+
+def row_flatten(rows: RowCombination, start_dim: int = 0, end_dim: int = -1) -> RowCombination:
+    _keep_last(rows, (end_dim,), "flatten")
+    return rows.map(lambda t: t.flatten(start_dim, end_dim))
+
+
+def row_unsqueeze(rows: RowCombination, dim: int) -> RowCombination:
+    if _normalize_dim(dim, rows.index.dim() + 1) == rows.index.dim():
+        raise UnsupportedGraphError("unsqueeze after the feature dimension of a per-item activation")
+    return rows.map(lambda t: t.unsqueeze(dim))
+
+
+def row_squeeze(rows: RowCombination, dim: int) -> RowCombination:
+    _keep_last(rows, (dim,), "squeeze")
+    return rows.map(lambda t: t.squeeze(dim))
+
+
+def row_mean(rows: RowCombination, dim, keepdim: bool = False, dtype=None) -> RowCombination:
+    """mean over leading dim(s): the reduced rows join the combination with weight / count."""
+    dims = (dim,) if isinstance(dim, int) else tuple(dim)
+    if dtype is not None or len(dims) != 1:
+        raise UnsupportedGraphError("mean with dtype= or over several dims of a per-item activation")
+    _keep_last(rows, dims, "mean")
+    d = _normalize_dim(dims[0], rows.index.dim())
+    count = rows.index.shape[d]
+    index = rows.index.movedim(d, -2).flatten(-2)
+    weight = rows.weight.movedim(d, -2).flatten(-2) / count
+    result = RowCombination(index, weight, rows.dim)
+    return result.map(lambda t: t.unsqueeze(d)) if keepdim else result
+
+
+def _pad_terms(rows: RowCombination, terms: int) -> RowCombination:
+    missing = terms - rows.index.shape[-1]
+    if missing == 0:
+        return rows
+    pad = list(rows.index.shape[:-1]) + [missing]
+    index = torch.cat([rows.index, torch.full(pad, -1, dtype=torch.int64)], dim=-1)
+    weight = torch.cat([rows.weight, torch.zeros(pad, dtype=torch.float64)], dim=-1)
+    return RowCombination(index, weight, rows.dim)
+
+
+def row_cat(tensors, dim: int = 0) -> RowCombination:
+    tensors = list(tensors)
+    _keep_last(tensors[0], (dim,), "cat")
+    terms = max(t.index.shape[-1] for t in tensors)
+    padded = [_pad_terms(t, terms) for t in tensors]
+    return RowCombination(
+        torch.cat([t.index for t in padded], dim=dim), torch.cat([t.weight for t in padded], dim=dim), tensors[0].dim
+    )
+
+
+def row_size(rows: RowCombination, dim: int) -> int:
+    return rows.shape[dim]
+
+
+def row_numel(rows: RowCombination) -> int:
+    return math.prod(rows.shape)
+
+
+def row_storage_offset(rows: RowCombination) -> int:
+    # Only used by dynamo's `offset >= 0` checks; the offset a slice of the anchor would have.
+    valid = rows.index[rows.index >= 0]
+    return int(valid.min()) * rows.dim if valid.numel() else 0
+
+
+def pack_rows(exits: list[RowCombination]) -> RowPlan:
+    terms = max(rows.index.shape[-1] for rows in exits)
+    flat = [_pad_terms(rows, terms) for rows in exits]
+    offsets, total = [], 0
+    for rows in flat:
+        offsets.append(total)
+        total += math.prod(rows.index.shape[:-1])
+    index = torch.cat([rows.index.reshape(-1, terms) for rows in flat])
+    weight = torch.cat([rows.weight.reshape(-1, terms) for rows in flat]).to(torch.float32)
+    return RowPlan(index, weight, offsets, [tuple(rows.index.shape[:-1]) for rows in exits])
+
+
+def plan_index(plan: RowPlan) -> torch.Tensor:
+    return plan.index
+
+
+def plan_weight(plan: RowPlan) -> torch.Tensor:
+    return plan.weight
+
+
+def take_rows(gathered: torch.Tensor, plan: RowPlan, exit_index: int) -> torch.Tensor:
+    """After the device program: exit i's rows of the gather result, as a view of its shape."""
+    start, shape = plan.offsets[exit_index], plan.shapes[exit_index]
+    return gathered[start : start + math.prod(shape)].view(*shape, gathered.shape[-1])
+
+
+_ROW_METHODS = {
+    "view": row_view,
+    "reshape": row_view,
+    "permute": row_permute,
+    "transpose": row_transpose,
+    "contiguous": row_identity,
+    "clone": row_identity,
+    "flatten": row_flatten,
+    "unsqueeze": row_unsqueeze,
+    "squeeze": row_squeeze,
+    "mean": row_mean,
+}
+_ROW_FUNCTIONS = {
+    operator.getitem: row_getitem,
+    torch.cat: row_cat,
+    torch.concat: row_cat,
+    torch.mean: row_mean,
+    torch.permute: row_permute,
+    torch.reshape: row_view,
+    torch.flatten: row_flatten,
+    torch.transpose: row_transpose,
+}
+_ROW_SYMBOLS = {
+    torch.ops.aten.sym_size.int: row_size,
+    torch.ops.aten.sym_numel.default: row_numel,
+    torch.ops.aten.sym_storage_offset.default: row_storage_offset,
+}
+
+
+def _row_function(node: torch.fx.Node):
+    if node.op == "call_method":
+        return _ROW_METHODS.get(node.target)
+    if node.op == "call_function":
+        if node.target is operator.getitem and not isinstance(example_value(node.args[0]), torch.Tensor):
+            return None  # indexing a tuple (unbind, split), not a tensor
+        return _ROW_FUNCTIONS.get(node.target)
+    return None
+
+
+def _has_unbacked_shape(node: torch.fx.Node) -> bool:
+    value = example_value(node)
+    return isinstance(value, torch.Tensor) and bool(free_unbacked_symbols(value.shape))
+
+
+class MergeGatherPass(GraphPass):
+    name = "merge_gather"
+
+    def run(self, gm: torch.fx.GraphModule) -> dict:
+        graph = gm.graph
+        activation = activation_dependent_nodes(graph)
+        post = output_view_nodes(graph, activation)
+        region: list[torch.fx.Node] = []
+        in_region: set[torch.fx.Node] = set()
+        for node in graph.nodes:
+            if node not in activation or node in post or _row_function(node) is None:
+                continue
+            # A root slices a tensor of known (backed) shape into grid-dependent pieces; the region
+            # then grows through movement ops on region values only.
+            tensor_args = [arg for arg in node.all_input_nodes if isinstance(example_value(arg), torch.Tensor)]
+            is_root = _has_unbacked_shape(node) and not any(_has_unbacked_shape(arg) for arg in tensor_args)
+            if is_root or any(arg in in_region for arg in node.all_input_nodes):
+                region.append(node)
+                in_region.add(node)
+        if not region:
+            return {"regions": 0}
+        anchors = {arg for node in region for arg in node.all_input_nodes if arg in activation and arg not in in_region}
+        if len(anchors) != 1:
+            raise UnsupportedGraphError(
+                "per-item data movement reads from several activations "
+                f"({sorted(a.name for a in anchors)}); kimi_cg gathers from one packed tensor"
+            )
+        (anchor,) = anchors
+        self._rewrite(graph, anchor, region, in_region, post)
+        return {"regions": 1, "anchor": anchor.name, "nodes_lifted": len(region)}
+
+    def _rewrite(self, graph, anchor, region, in_region, post) -> None:
+        anchor_value = example_value(anchor)
+        dim = anchor_value.shape[-1]
+        if not isinstance(dim, int):
+            raise UnsupportedGraphError(f"the feature dimension of {anchor.name} must be static; got {dim}")
+        with graph.inserting_after(anchor):
+            sizes = []
+            for d in range(anchor_value.dim() - 1):
+                size = graph.call_function(torch.ops.aten.sym_size.int, (anchor, d))
+                size.meta["example_value"] = anchor_value.shape[d]
+                sizes.append(size)
+        with graph.inserting_after(sizes[-1]):
+            source = graph.call_function(row_source, (tuple(sizes), dim))
+        host: dict[torch.fx.Node, torch.fx.Node] = {anchor: source}
+
+        def to_host(arg):
+            return host.get(arg, arg) if isinstance(arg, torch.fx.Node) else arg
+
+        for node in region:
+            with graph.inserting_before(node):
+                args = torch.fx.node.map_arg(node.args, to_host)
+                kwargs = torch.fx.node.map_arg(node.kwargs, to_host)
+                host[node] = graph.call_function(_row_function(node), args, kwargs)
+            host[node].meta["stack_trace"] = node.meta.get("stack_trace")
+        for node in list(graph.nodes):  # sizes of per-item activations are host values now
+            if node.op == "call_function" and node.target in _ROW_SYMBOLS and node.args[0] in in_region:
+                with graph.inserting_before(node):
+                    replacement = graph.call_function(_ROW_SYMBOLS[node.target], tuple(map(to_host, node.args)))
+                node.replace_all_uses_with(replacement)
+                graph.erase_node(node)
+
+        exits = [node for node in region if any(user not in in_region for user in node.users)]
+        last = max(region, key=lambda n: list(graph.nodes).index(n))
+        with graph.inserting_after(last):
+            plan = graph.call_function(pack_rows, ([host[e] for e in exits],))
+        with graph.inserting_after(plan):
+            index = graph.call_function(plan_index, (plan,))
+        with graph.inserting_after(index):
+            weight = graph.call_function(plan_weight, (plan,))
+        with graph.inserting_after(weight):
+            flat_anchor = graph.call_method("reshape", (anchor, -1, dim)) if anchor_value.dim() != 2 else anchor
+        with graph.inserting_after(flat_anchor):
+            gathered = graph.call_function(torch.ops.kimi_cg.merge_gather.default, (flat_anchor, index, weight))
+
+        device_exits = [e for e in exits if any(u not in in_region and u not in post and u.op != "output" for u in e.users)]
+        if len(device_exits) > 1:
+            raise UnsupportedGraphError(
+                f"several per-item activations ({[e.name for e in device_exits]}) feed further device work; "
+                f"kimi_cg supports one (e.g. torch.cat of the merger outputs); at {source_location(device_exits[0])}"
+            )
+        cursor = gathered
+        for exit_number, node in enumerate(exits):
+            if node in device_exits:
+                shape = example_value(node).shape
+                if any(not isinstance(s, int) for s in shape[1:]):
+                    raise UnsupportedGraphError(
+                        f"{node.name} {tuple(shape)} feeds device work but has grid-dependent inner dims; "
+                        f"at {source_location(node)}"
+                    )
+                with graph.inserting_after(cursor):
+                    cursor = graph.call_method("view", (gathered, -1, *shape[1:]))
+                replacement = cursor
+            else:
+                with graph.inserting_after(cursor):
+                    cursor = graph.call_function(take_rows, (gathered, plan, exit_number))
+                replacement = cursor
+            for user in list(node.users):
+                if user not in in_region:
+                    user.replace_input_with(node, replacement)
+        for node in reversed(region):
+            graph.erase_node(node)
+        stable_topological_sort(graph)

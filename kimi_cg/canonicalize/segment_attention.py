@@ -1,0 +1,156 @@
+"""SegmentAttentionPass: every attention over packed images becomes the varlen op with an upper bound.
+
+Two rewrites:
+
+1. SDPA under a block-diagonal boolean mask built by the model (sdpa path of MoonViT)::
+
+       mask: "b8[1, s0, s0]" = torch.zeros([1, s0, s0], dtype=torch.bool)
+       mask[..., u8:u9, u8:u9] = True           # one setitem per segment
+       mask[..., u12:u13, u12:u13] = True
+       out: "f32[4, s0, 16]" = scaled_dot_product_attention(q_t, k_t, v_t, mask)
+
+   becomes::
+
+       cu: "i32[3]" = segments_to_cu_seqlens((u8, u9, u12, u13), s0)      # host
+       out_v: "f32[s0, 4, 16]" = kimi_cg.varlen_attention(q_t.transpose(-3, -2), ..., cu, s0)
+       out = out_v.transpose(-3, -2)
+
+   The dense L x L mask disappears; ``segments_to_cu_seqlens`` checks on the host that the
+   segments tile [0, L) back to back (the only masks this rewrite accepts).
+
+2. The varlen op's ``max_seqlen`` computed from grid values (``(cu[1:] - cu[:-1]).max().item()``)
+   becomes the packed length ``q.size(0)``, an upper bound that only depends on L (NOTE [max_seqlen]).
+
+NOTE [max_seqlen]: flash kernels use max_seqlen to size their launch grid; blocks past a segment's
+end exit early, so any upper bound gives the same result. The CUDA-graph runtime passes the bucket
+capacity, so one captured graph serves every segmentation of that capacity.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from kimi_cg.capture import example_value
+from kimi_cg.canonicalize.base import GraphPass
+from kimi_cg.errors import InvalidInputError
+
+logger = logging.getLogger(__name__)
+
+_SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
+_VARLEN = torch.ops.kimi_cg.varlen_attention.default
+
+
+def segments_to_cu_seqlens(bounds: tuple[int, ...], total: int) -> torch.Tensor:
+    """Host: (start0, end0, start1, end1, ...) of mask blocks -> cu_seqlens, checking they tile [0, total)."""
+    starts, ends = bounds[0::2], bounds[1::2]
+    expected = 0
+    for segment, (start, end) in enumerate(zip(starts, ends)):
+        if start != expected or end < start:
+            raise InvalidInputError(
+                f"attention mask block {segment} covers [{start}, {end}) but blocks must tile [0, {total}) back to "
+                f"back (previous block ended at {expected}); the grid does not match the pixel rows"
+            )
+        expected = end
+    if expected != total:
+        raise InvalidInputError(f"attention mask blocks end at {expected}, the packed sequence has {total} rows")
+    return torch.tensor((0,) + tuple(ends), dtype=torch.int32)
+
+
+def _block_mask_bounds(mask: torch.fx.Node, attention_users: set[torch.fx.Node]):
+    """The (start, end) args of each ``mask[..., a:b, a:b] = True`` on a zeros mask, or None."""
+    if mask.op != "call_function" or mask.target is not torch.zeros or mask.kwargs.get("dtype") is not torch.bool:
+        return None
+    bounds, setitems = [], []
+    for user in mask.users:
+        if user in attention_users:
+            continue
+        if user.target is not operator.setitem or user.args[0] is not mask or user.args[2] is not True:
+            return None
+        index = user.args[1]
+        if not isinstance(index, tuple) or len(index) < 2:
+            return None
+        rows, cols = index[-2], index[-1]
+        leading_ok = all(i is Ellipsis or i == slice(None) for i in index[:-2])
+        if not (leading_ok and isinstance(rows, slice) and rows == cols and rows.step is None):
+            return None
+        bounds += [rows.start if rows.start is not None else 0, rows.stop]
+        setitems.append(user)
+    order = {node: i for i, node in enumerate(mask.graph.nodes)}
+    first_attention = min(order[n] for n in attention_users)
+    if any(order[s] > first_attention for s in setitems) or None in bounds:
+        return None
+    return bounds, setitems
+
+
+class SegmentAttentionPass(GraphPass):
+    name = "segment_attention"
+
+    def run(self, gm: torch.fx.GraphModule) -> dict:
+        graph = gm.graph
+        report = {"sdpa_rewritten": 0, "max_seqlen_bounded": 0, "sdpa_left": []}
+        masks: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+        for node in graph.nodes:
+            if node.op == "call_function" and node.target in _SDPA_TARGETS:
+                mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+                if isinstance(mask, torch.fx.Node):
+                    masks.setdefault(mask, []).append(node)
+        for mask, attentions in masks.items():
+            found = _block_mask_bounds(mask, set(attentions))
+            rewritable = found is not None and all(self._rewritable(node) for node in attentions)
+            if not rewritable:
+                report["sdpa_left"] += [node.name for node in attentions]
+                continue
+            bounds, setitems = found
+            for node in attentions:
+                self._rewrite_sdpa(graph, node, bounds)
+                report["sdpa_rewritten"] += 1
+            for setitem in setitems:
+                graph.erase_node(setitem)
+            graph.erase_node(mask)
+        for node in list(graph.nodes):
+            if node.op == "call_function" and node.target in (_VARLEN, torch.ops.kimi_cg.varlen_attention):
+                max_seqlen = node.args[4]
+                if isinstance(max_seqlen, torch.fx.Node) and max_seqlen.target is not torch.ops.aten.sym_size.int:
+                    with graph.inserting_before(node):
+                        bound = graph.call_function(torch.ops.aten.sym_size.int, (node.args[0], 0))
+                    bound.meta["example_value"] = example_value(node.args[0]).shape[0]
+                    node.args = node.args[:4] + (bound,)
+                    report["max_seqlen_bounded"] += 1
+        if report["sdpa_left"]:
+            logger.warning("kimi_cg: attention left dense (mask not recognised as block-diagonal): %s", report["sdpa_left"])
+        return report
+
+    @staticmethod
+    def _rewritable(node: torch.fx.Node) -> bool:
+        kwargs = node.kwargs
+        if kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0) not in (0, 0.0):
+            return False
+        if kwargs.get("is_causal", False) or kwargs.get("scale") is not None or len(node.args) > 5:
+            return False
+        query = example_value(node.args[0])
+        return isinstance(query, torch.Tensor) and (query.dim() == 3 or (query.dim() == 4 and query.shape[0] == 1))
+
+    @staticmethod
+    def _rewrite_sdpa(graph: torch.fx.Graph, node: torch.fx.Node, bounds: list) -> None:
+        batched = example_value(node.args[0]).dim() == 4
+        with graph.inserting_before(node):
+            packed = []
+            for tensor in node.args[:3]:
+                if batched:
+                    tensor = graph.call_method("squeeze", (tensor, 0))
+                packed.append(graph.call_method("transpose", (tensor, -3, -2)))  # [H, L, D] -> [L, H, D]
+            total = graph.call_function(torch.ops.aten.sym_size.int, (packed[0], 0))
+            total.meta["example_value"] = example_value(node.args[0]).shape[-2]
+            cu_seqlens = graph.call_function(segments_to_cu_seqlens, (tuple(bounds), total))
+            out = graph.call_function(_VARLEN, (*packed, cu_seqlens, total))
+            out = graph.call_method("transpose", (out, -3, -2))
+            if batched:
+                out = graph.call_method("unsqueeze", (out, 0))
+        out.meta = dict(node.meta)
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)

@@ -1,0 +1,80 @@
+"""Capture: the dynamo settings kimi_cg needs, and the roles of a captured graph's inputs.
+
+NOTE [dynamo settings]
+The only global state kimi_cg touches. ``configure_dynamo()`` runs once, when the backend module is
+imported; torch.compile imports it through the ``torch_dynamo_backends`` entry point inside the
+``torch.compile(...)`` call, i.e. before the first trace. It sets:
+
+- ``capture_scalar_outputs = True``: ``grid.tolist()`` / ``.item()`` become unbacked SymInts inside
+  one graph instead of graph breaks that specialise (and recompile) on every image size;
+- ``capture_dynamic_output_shape_ops = True``: ops whose output size depends on data stay in the
+  graph too.
+
+A backend cannot scope these to its own frames (torch.compile drops ``backend_ctx_ctor``, and
+config is read at trace time and is not part of guards), so they apply to every torch.compile in
+the process once kimi_cg is loaded. Both only keep more code inside graphs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import re
+
+import torch
+import torch.fx
+
+logger = logging.getLogger(__name__)
+
+DYNAMO_SETTINGS = {"capture_scalar_outputs": True, "capture_dynamic_output_shape_ops": True}
+
+
+def configure_dynamo() -> None:
+    """Apply NOTE [dynamo settings]; idempotent."""
+    for name, value in DYNAMO_SETTINGS.items():
+        if getattr(torch._dynamo.config, name) != value:
+            logger.info("kimi_cg sets torch._dynamo.config.%s = %s", name, value)
+            setattr(torch._dynamo.config, name, value)
+
+
+class InputRole(enum.Enum):
+    MODULE_STATE = "module_state"  # parameters, buffers, tensor attributes: same every call
+    GRID = "grid"  # integer user inputs (grid_hws, grid_thws): drive the host metadata pass
+    ACTIVATION = "activation"  # floating user inputs (pixel values): only the device touches them
+    SIZE = "size"  # SymInt inputs dynamo adds for dynamic dimensions
+
+
+# Dynamo names lifted module state after its source: L_self_modules_..._parameters_weight_,
+# L_self_modules_encoder_modules_rope_2d_freqs_cis, L_model_modules_..._buffers_... .
+_MODULE_STATE_NAME = re.compile(r"^(L_self_|L_self$)|_modules_|_parameters_|_buffers_")
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphInput:
+    index: int
+    node: torch.fx.Node
+    role: InputRole
+
+
+def example_value(node: torch.fx.Node):
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def classify_inputs(gm: torch.fx.GraphModule) -> list[GraphInput]:
+    """Give each placeholder of a dynamo graph a role (see InputRole)."""
+    roles = []
+    for index, node in enumerate(node for node in gm.graph.nodes if node.op == "placeholder"):
+        value = example_value(node)
+        if isinstance(value, (torch.SymInt, int)):
+            role = InputRole.SIZE
+        elif isinstance(value, torch.nn.Parameter) or _MODULE_STATE_NAME.search(node.target):
+            role = InputRole.MODULE_STATE
+        elif isinstance(value, torch.Tensor) and not (value.is_floating_point() or value.is_complex()):
+            role = InputRole.GRID
+        elif isinstance(value, torch.Tensor):
+            role = InputRole.ACTIVATION
+        else:
+            role = InputRole.MODULE_STATE
+        roles.append(GraphInput(index, node, role))
+    return roles

@@ -1,0 +1,26 @@
+"""Process-wide event counters that tests and users can read: ``kimi_cg.counters["captures"]``.
+
+Keys (missing keys read as 0):
+  dynamo_graphs               graphs the backend received from dynamo
+  graph_breaks                graph breaks reported in frames kimi_cg compiled
+  device_programs_compiled    device programs built (structurally equal ones are built once)
+  device_program_cache_hits   dynamo graphs that reused an existing device program
+  host_programs_built         host metadata programs built (one per dynamo graph)
+  metadata_cache_hits/misses  per-item host metadata lookups
+  graph_replays, captures     CUDA-graph replays and captures (CUDA runtime)
+  eager_fallbacks             calls or items that ran the non-graphed device program
+"""
+
+from __future__ import annotations
+
+import collections
+
+counters: collections.Counter[str] = collections.Counter()
+
+
+def reset() -> None:
+    """Zero every counter and forget every cached program and metadata entry."""
+    counters.clear()
+    from kimi_cg import device_program
+
+    device_program.clear_program_cache()

@@ -1,0 +1,258 @@
+"""The host metadata program: grid -> position embeddings, RoPE factors, cu_seqlens, gather plans.
+
+It is the HOST part of the dynamo graph (see lift.py), run as generated Python before the device
+program, plus a per-item cache:
+
+NOTE [per-item metadata cache]
+Dynamo unrolls ``for h, w in grid.tolist()`` into one copy of the loop body per item. A host tensor
+whose inputs are module state and the integers of a single grid row (the bicubic interpolation of
+the position grid for that (h, w); that item's RoPE slice; a video chunk's time embedding) is an
+*item value*. Each maximal item value (its users are not item values of the same row) is replaced
+by a lookup in a process-wide LRU cache keyed by
+  (the structure of the subgraph computing it, the integer inputs, the identity and version of
+   every tensor input),
+so an image size seen before costs no interpolation, whichever position it has in the batch and
+whichever dynamo graph (number of items) it comes through. In-place weight updates bump the
+tensor version counter, so they miss the cache (invalidation); stale entries age out of the LRU.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import operator
+from typing import Any
+
+import torch
+import torch.fx
+
+from kimi_cg.capture import example_value
+from kimi_cg.counters import counters
+from kimi_cg.errors import InvalidInputError
+from kimi_cg.lift import Program, source_location
+
+logger = logging.getLogger(__name__)
+
+
+class ItemMetadataCache:
+    """LRU of item values (tensors), bounded in bytes."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.entries: collections.OrderedDict[Any, torch.Tensor] = collections.OrderedDict()
+        self.bytes = 0
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.bytes = 0
+
+    def get(self, key):
+        value = self.entries.get(key)
+        if value is not None:
+            self.entries.move_to_end(key)
+        return value
+
+    def put(self, key, value: torch.Tensor) -> None:
+        size = value.numel() * value.element_size()
+        if size > self.max_bytes:
+            return
+        self.entries[key] = value
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            _, old = self.entries.popitem(last=False)
+            self.bytes -= old.numel() * old.element_size()
+
+
+_ITEM_CACHE = ItemMetadataCache(1 << 30)
+
+
+def item_cache() -> ItemMetadataCache:
+    return _ITEM_CACHE
+
+
+def _input_key(value):
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.data_ptr(), value._version, tuple(value.shape), value.stride(), value.dtype, str(value.device))
+    if isinstance(value, (int, float, bool, str, type(None))):
+        return value
+    return ("object", id(value))
+
+
+class ItemValue(torch.nn.Module):
+    """A cached item-value subgraph; called from the host program's generated code."""
+
+    def __init__(self, gm: torch.fx.GraphModule, structure: tuple):
+        super().__init__()
+        self.gm = gm
+        self.structure = structure
+
+    def forward(self, *inputs):
+        key = (self.structure, tuple(_input_key(value) for value in inputs))
+        value = _ITEM_CACHE.get(key)
+        if value is not None:
+            counters["metadata_cache_hits"] += 1
+            return value
+        counters["metadata_cache_misses"] += 1
+        value = self.gm(*inputs)
+        _ITEM_CACHE.put(key, value)
+        return value
+
+
+def _grid_rows(graph: torch.fx.Graph, grid_placeholders: set[torch.fx.Node]) -> dict[torch.fx.Node, frozenset]:
+    """For each scalar node derived from grid integers: the set of grid rows it depends on."""
+
+    def row_of_item(node: torch.fx.Node):
+        source = node.args[0] if node.args else None
+        indices = []
+        while isinstance(source, torch.fx.Node) and source.target is operator.getitem:
+            indices.append(source.args[1])
+            source = source.args[0]
+        if source in grid_placeholders and indices and isinstance(indices[-1], int):
+            return frozenset([indices[-1]])
+        return None
+
+    rows: dict[torch.fx.Node, frozenset] = {}
+    for node in graph.nodes:
+        if node.op == "call_method" and node.target in ("item", "tolist") or node.target is torch.ops.aten._local_scalar_dense.default:
+            row = row_of_item(node)
+            if row is not None:
+                rows[node] = row
+    return rows
+
+
+def _structure(nodes: list[torch.fx.Node], inputs: list[torch.fx.Node]) -> tuple:
+    """A key that equals for structurally identical subgraphs (names ignored)."""
+    local = {node: f"i{i}" for i, node in enumerate(inputs)}
+    local.update({node: f"n{i}" for i, node in enumerate(nodes)})
+    mapper = lambda arg: local[arg] if isinstance(arg, torch.fx.Node) else arg  # noqa: E731
+    return tuple(
+        (node.op, str(node.target), repr(torch.fx.node.map_aggregate(node.args, mapper)), repr(torch.fx.node.map_aggregate(dict(node.kwargs), mapper)))
+        for node in nodes
+    )
+
+
+def install_item_cache(gm: torch.fx.GraphModule, grid_placeholders: set[torch.fx.Node], const_nodes: set[torch.fx.Node]) -> int:
+    """Replace maximal item values in the host graph by ItemValue lookups; returns how many."""
+    graph = gm.graph
+    rows = _grid_rows(graph, grid_placeholders)
+    item_tensor: dict[torch.fx.Node, frozenset] = {}
+    for node in graph.nodes:
+        if node.op in ("placeholder", "output", "get_attr") or node in rows:
+            continue
+        value = example_value(node)
+        input_rows = set()
+        ok = True
+        for arg in node.all_input_nodes:
+            if arg in rows:
+                input_rows |= rows[arg]
+            elif arg in item_tensor:
+                input_rows |= item_tensor[arg]
+            elif arg not in const_nodes:
+                ok = False
+        if not ok or not input_rows:
+            continue
+        if isinstance(value, torch.Tensor):
+            item_tensor[node] = frozenset(input_rows)
+        elif isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool):
+            rows[node] = frozenset(input_rows)
+    singles = {node: r for node, r in item_tensor.items() if len(r) == 1}
+    frontier = [node for node in singles if any(singles.get(user) != singles[node] for user in node.users)]
+    installed = 0
+    for top in frontier:
+        private, stack = [top], [top]
+        while stack:
+            for arg in stack.pop().all_input_nodes:
+                if arg in singles and arg not in private:
+                    private.append(arg)
+                    stack.append(arg)
+        private_set = set(private)
+        if any(user not in private_set for node in private if node is not top for user in node.users):
+            continue  # shared with other work: leave it uncached
+        order = {node: i for i, node in enumerate(graph.nodes)}
+        private.sort(key=order.__getitem__)
+        inputs = []
+        for node in private:
+            for arg in node.all_input_nodes:
+                if arg not in private_set and arg not in inputs:
+                    inputs.append(arg)
+        sub_graph = torch.fx.Graph()
+        env = {arg: sub_graph.placeholder(f"in{i}") for i, arg in enumerate(inputs)}
+        for node in private:
+            env[node] = sub_graph.node_copy(node, lambda arg: env[arg])
+        sub_graph.output(env[top])
+        sub_gm = torch.fx.GraphModule(torch.nn.Module(), sub_graph, class_name="KimiCGItemValue")
+        name = f"item_value_{installed}"
+        setattr(gm, name, ItemValue(sub_gm, _structure(private, inputs)))
+        with graph.inserting_before(top):
+            lookup = graph.call_module(name, tuple(inputs))
+        lookup.meta = dict(top.meta)
+        top.replace_all_uses_with(lookup)
+        for node in reversed(private):
+            graph.erase_node(node)
+        installed += 1
+    graph.lint()
+    gm.recompile()
+    return installed
+
+
+class HostProgram:
+    """Runs the host program; maps failures to InvalidInputError naming the grid items involved."""
+
+    def __init__(self, program: Program, grid_inputs: list[int], const_inputs: set[int], cache_bytes: int):
+        self.program = program
+        self.gm = program.gm
+        _ITEM_CACHE.max_bytes = cache_bytes
+        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        grid_nodes = {placeholders[i] for i, ref in enumerate(program.inputs) if ref.program == "arg" and ref.index in grid_inputs}
+        const_nodes = {placeholders[i] for i, ref in enumerate(program.inputs) if ref.program == "arg" and ref.index in const_inputs}
+        for node in self.gm.graph.nodes:  # CONST nodes (weight views) computed inside the host program
+            if node.op != "placeholder" and node.all_input_nodes and all(a in const_nodes for a in node.all_input_nodes):
+                if not any(isinstance(a, torch.fx.Node) and a in grid_nodes for a in node.all_input_nodes):
+                    const_nodes.add(node)
+        self.items_cached = install_item_cache(self.gm, grid_nodes, const_nodes)
+        self.grid_positions = [i for i, ref in enumerate(program.inputs) if ref.program == "arg" and ref.index in grid_inputs]
+        counters["host_programs_built"] += 1
+
+    def __call__(self, *inputs):
+        try:
+            return self.gm(*inputs)
+        except InvalidInputError:
+            raise
+        except Exception as error:  # noqa: BLE001 - re-raised with the item named
+            raise self._explain(error, inputs) from error
+
+    def _explain(self, error: Exception, inputs) -> InvalidInputError:
+        failing = None
+        interpreter = torch.fx.Interpreter(self.gm)
+        original = interpreter.run_node
+
+        def run_node(node):
+            nonlocal failing
+            failing = node
+            return original(node)
+
+        interpreter.run_node = run_node
+        try:
+            interpreter.run(*inputs)
+        except Exception:  # noqa: BLE001 - we only want the node that fails
+            pass
+        grids = [inputs[i] for i in self.grid_positions]
+        rows = set()
+        if failing is not None:
+            seen, stack = set(), [failing]
+            while stack:
+                node = stack.pop()
+                for arg in node.all_input_nodes:
+                    if arg not in seen:
+                        seen.add(arg)
+                        stack.append(arg)
+            for row in _grid_rows(self.gm.graph, {n for n in self.gm.graph.nodes if n.op == "placeholder"}).items():
+                if row[0] in seen or row[0] is failing:
+                    rows |= row[1]
+        described = []
+        for grid in grids:
+            values = grid.tolist()
+            described += [f"item {r} {values[r]}" for r in sorted(rows) if r < len(values)]
+        where = source_location(failing) if failing is not None else "the host metadata pass"
+        items = ", ".join(described) if described else "the batch as a whole"
+        return InvalidInputError(f"kimi_cg: invalid input ({items}): {error}; raised at {where}")

@@ -1,0 +1,7 @@
+"""Custom ops the device program calls (registered with torch.library on import)."""
+
+from kimi_cg.ops.varlen_attention import varlen_attention, varlen_attention_reference
+from kimi_cg.ops.merge_gather import merge_gather, merge_gather_layernorm
+
+__all__ = ["varlen_attention", "varlen_attention_reference"]
+__all__ += ["merge_gather", "merge_gather_layernorm"]

@@ -1,0 +1,92 @@
+"""Packed variable-length attention as one custom op: ``torch.ops.kimi_cg.varlen_attention``.
+
+    q, k, v:     [L, H, Dh]   (L = total tokens of all segments, packed back to back)
+    cu_seqlens:  [S + 1] int32, cu_seqlens[0] == 0, cu_seqlens[-1] == L, non-decreasing
+    max_seqlen:  int, an upper bound on the longest segment (only the CUDA kernels use it)
+    returns      [L, H, Dh]; token i attends to every token of its own segment (no causal mask)
+
+Implementations, chosen by the device of ``q``:
+- CPU: scaled-dot-product attention per segment (the reference semantics).
+- CUDA: flash-attn's ``flash_attn_varlen_func`` when that package imports, else
+  ``torch.nn.attention.varlen.varlen_attn`` (torch's built-in flash kernel).
+- Meta/fake: an empty tensor shaped like ``q``, so dynamo and Inductor can trace calls.
+
+The op is opaque to Inductor (it schedules around it) and capturable in a CUDA graph as long as
+``max_seqlen`` is a fixed upper bound: the CUDA-graph runtime passes the bucket capacity.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+_LIBRARY_NAMESPACE = "kimi_cg"
+
+
+@functools.lru_cache(maxsize=1)
+def _flash_attn_varlen_func():
+    """flash-attn's varlen kernel, or None when the optional package is absent."""
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    logger.info("kimi_cg.varlen_attention: using flash-attn's flash_attn_varlen_func on CUDA")
+    return flash_attn_varlen_func
+
+
+def check_varlen_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
+    if q.dim() != 3 or k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(
+            f"varlen_attention expects q, k, v of one shape [L, H, Dh]; got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries; got shape {tuple(cu_seqlens.shape)}")
+
+
+def varlen_attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
+    """Per-segment softmax attention, computed segment by segment with SDPA (the CPU path)."""
+    check_varlen_inputs(q, k, v, cu_seqlens)
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != q.shape[0] or any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(
+            f"cu_seqlens must start at 0, end at L={q.shape[0]} and be non-decreasing; got {bounds}"
+        )
+    out = torch.empty_like(q)
+    for start, end in zip(bounds, bounds[1:]):
+        if end == start:
+            continue
+        # [n, H, Dh] -> [H, n, Dh] for SDPA, and back.
+        segment = F.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1), k[start:end].transpose(0, 1), v[start:end].transpose(0, 1), scale=scale
+        )
+        out[start:end] = segment.transpose(0, 1)
+    return out
+
+
+@torch.library.custom_op(f"{_LIBRARY_NAMESPACE}::varlen_attention", mutates_args=())
+def varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
+) -> torch.Tensor:
+    if q.device.type != "cuda":
+        return varlen_attention_reference(q, k, v, cu_seqlens)
+    check_varlen_inputs(q, k, v, cu_seqlens)
+    cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    flash_varlen = _flash_attn_varlen_func()
+    if flash_varlen is not None:
+        return flash_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=False)
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+
+
+@varlen_attention.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen):
+    return torch.empty_like(q)

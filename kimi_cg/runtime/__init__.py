@@ -1,0 +1,1 @@
+"""Running a lifted graph: host pass, device program, post views (runner.py)."""

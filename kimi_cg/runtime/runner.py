@@ -1,0 +1,51 @@
+"""One call end to end: host metadata pass, device program, post views, eager's output structure."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kimi_cg.device_program import DeviceProgram
+from kimi_cg.host_program import HostProgram
+from kimi_cg.lift import LiftedGraph, ValueRef
+
+logger = logging.getLogger(__name__)
+
+
+class LiftedRunner:
+    """The callable kimi_cg returns to dynamo for one graph."""
+
+    def __init__(self, lifted: LiftedGraph, host: HostProgram, device: DeviceProgram, device_type_index: int | None):
+        self.lifted = lifted
+        self.host = host
+        self.device = device
+        # Host tensors consumed by the device program move to the activations' device.
+        self.activation_index = device_type_index
+        self.host_refs = lifted.host.inputs
+        self.device_refs = lifted.device.inputs
+        self.post_refs = lifted.post.inputs
+        self.output_refs = lifted.outputs
+
+    @staticmethod
+    def _resolve(ref: ValueRef, args, results):
+        if ref.program == "arg":
+            return args[ref.index]
+        if ref.program == "literal":
+            return ref.index
+        return results[ref.program][ref.index]
+
+    def __call__(self, *args):
+        results = {}
+        results["host"] = self.host(*(self._resolve(ref, args, results) for ref in self.host_refs))
+        target = args[self.activation_index].device if self.activation_index is not None else None
+        device_args = []
+        for ref in self.device_refs:
+            value = self._resolve(ref, args, results)
+            if ref.program == "host" and isinstance(value, torch.Tensor) and target is not None and value.device != target:
+                value = value.to(target, non_blocking=True)
+            device_args.append(value)
+        results["device"] = self.device(*device_args)
+        if self.post_refs or self.lifted.post.outputs:
+            results["post"] = self.lifted.post.gm(*(self._resolve(ref, args, results) for ref in self.post_refs))
+        return tuple(self._resolve(ref, args, results) for ref in self.output_refs)

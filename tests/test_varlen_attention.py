@@ -1,0 +1,163 @@
+"""Tests of ``torch.ops.kimi_cg.varlen_attention`` (kimi_cg/ops/varlen_attention.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import kimi_cg.ops  # noqa: F401  (registers torch.ops.kimi_cg.*)
+from kimi_cg.ops.varlen_attention import varlen_attention_reference
+
+HEADS, HEAD_DIM = 3, 24
+
+SEGMENTATIONS = {
+    "single": [13],
+    "single_token": [1],
+    "all_length_one": [1, 1, 1, 1],
+    "mixed": [3, 1, 7, 1, 5],
+    "with_empty": [4, 0, 6],
+    "long_and_short": [33, 2],
+}
+
+
+def _cu_seqlens(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+
+def _make_qkv(total: int, dtype: torch.dtype, seed: int, device: str = "cpu"):
+    generator = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(total, HEADS, HEAD_DIM, generator=generator).to(dtype).to(device) for _ in range(3))
+
+
+def _naive_attention(q, k, v, cu_seqlens, compute_dtype: torch.dtype) -> torch.Tensor:
+    """softmax(Q K^T * scale) V per segment, written out, in compute_dtype."""
+    q, k, v = (t.to(compute_dtype) for t in (q, k, v))
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    out = torch.zeros_like(q)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds, bounds[1:]):
+        scores = torch.einsum("qhd,khd->hqk", q[start:end], k[start:end]) * scale
+        probabilities = torch.softmax(scores, dim=-1)
+        out[start:end] = torch.einsum("hqk,khd->qhd", probabilities, v[start:end])
+    return out
+
+
+def _max_error(actual: torch.Tensor, reference: torch.Tensor) -> float:
+    return (actual.double() - reference.double()).abs().max().item()
+
+
+# The dtype rule: error against the float64 reference at most 2x that of the naive attention
+# computed in the same dtype, plus a floor of a fraction of a unit in the last place at 1.0.
+@pytest.mark.parametrize("dtype, floor", [(torch.float32, 1e-6), (torch.bfloat16, 2**-9)])
+@pytest.mark.parametrize("segmentation", list(SEGMENTATIONS))
+def test_cpu_op_matches_naive_attention(segmentation, dtype, floor):
+    lengths = SEGMENTATIONS[segmentation]
+    cu_seqlens = _cu_seqlens(lengths)
+    q, k, v = _make_qkv(sum(lengths), dtype, seed=len(lengths))
+
+    out = torch.ops.kimi_cg.varlen_attention(q, k, v, cu_seqlens, max(lengths))
+
+    assert out.shape == q.shape and out.dtype == dtype
+    reference = _naive_attention(q, k, v, cu_seqlens, torch.float64)
+    plain = _naive_attention(q, k, v, cu_seqlens, dtype)
+    assert _max_error(out, reference) <= 2 * _max_error(plain, reference) + floor
+
+
+def test_tokens_attend_only_inside_their_segment():
+    # Changing one segment's keys and values must leave every other segment's output unchanged.
+    lengths = [3, 4, 2]
+    cu_seqlens = _cu_seqlens(lengths)
+    q, k, v = _make_qkv(sum(lengths), torch.float32, seed=0)
+    out = torch.ops.kimi_cg.varlen_attention(q, k, v, cu_seqlens, 4)
+
+    k2, v2 = k.clone(), v.clone()
+    k2[3:7] += 1.0
+    v2[3:7] -= 2.0
+    out2 = torch.ops.kimi_cg.varlen_attention(q, k2, v2, cu_seqlens, 4)
+
+    torch.testing.assert_close(out2[:3], out[:3], atol=0, rtol=0)
+    torch.testing.assert_close(out2[7:], out[7:], atol=0, rtol=0)
+    assert not torch.allclose(out2[3:7], out[3:7])
+
+
+def test_length_one_segment_returns_its_value():
+    # A token alone in its segment has softmax weight 1 on itself.
+    q, k, v = _make_qkv(3, torch.float32, seed=1)
+    out = torch.ops.kimi_cg.varlen_attention(q, k, v, _cu_seqlens([1, 1, 1]), 1)
+    torch.testing.assert_close(out, v, atol=1e-6, rtol=1e-6)
+
+
+def _valid_inputs():
+    q, k, v = _make_qkv(6, torch.float32, seed=2)
+    return [q, k, v, _cu_seqlens([2, 4])]
+
+
+@pytest.mark.parametrize(
+    "position, bad_value, message",
+    [
+        (0, lambda t: t[:, 0], "one shape"),
+        (1, lambda t: t[:5], "one shape"),
+        (2, lambda t: t[..., :8], "one shape"),
+        (3, lambda t: t.view(1, -1), "1-D with at least 2 entries"),
+        (3, lambda t: t[:1], "1-D with at least 2 entries"),
+        (3, lambda t: t + 1, "start at 0"),
+        (3, lambda t: torch.tensor([0, 2, 5], dtype=torch.int32), "end at L=6"),
+        (3, lambda t: torch.tensor([0, 4, 2, 6], dtype=torch.int32), "non-decreasing"),
+    ],
+)
+def test_invalid_inputs_raise_value_error(position, bad_value, message):
+    inputs = _valid_inputs()
+    inputs[position] = bad_value(inputs[position])
+    with pytest.raises(ValueError, match=message):
+        torch.ops.kimi_cg.varlen_attention(*inputs, 6)
+    with pytest.raises(ValueError, match=message):
+        varlen_attention_reference(*inputs)
+
+
+def test_opcheck():
+    q, k, v = _make_qkv(9, torch.float32, seed=3)
+    torch.library.opcheck(torch.ops.kimi_cg.varlen_attention.default, (q, k, v, _cu_seqlens([4, 5]), 5))
+
+
+def test_compile_fullgraph_uses_fake_impl():
+    lengths = [5, 1, 3]
+    cu_seqlens = _cu_seqlens(lengths)
+    q, k, v = _make_qkv(sum(lengths), torch.float32, seed=4)
+
+    def attention_block(q, k, v, cu_seqlens):
+        out = torch.ops.kimi_cg.varlen_attention(q * 0.5, k, v, cu_seqlens, 5)
+        return out.flatten(1) + 1.0
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attention_block, fullgraph=True, backend="eager")
+    result = compiled(q, k, v, cu_seqlens)
+
+    assert result.shape == (sum(lengths), HEADS * HEAD_DIM)
+    torch.testing.assert_close(result, attention_block(q, k, v, cu_seqlens), atol=0, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("segmentation", ["single", "mixed", "all_length_one", "long_and_short"])
+def test_cuda_op_matches_cpu_op(segmentation):
+    # The CUDA kernels take half precision only; compare in bfloat16 with the dtype rule against
+    # the float64 reference, so both paths are held to the same standard.
+    lengths = SEGMENTATIONS[segmentation]
+    cu_seqlens = _cu_seqlens(lengths)
+    q, k, v = _make_qkv(sum(lengths), torch.bfloat16, seed=5)
+    true_max = max(lengths)
+
+    cpu_out = torch.ops.kimi_cg.varlen_attention(q, k, v, cu_seqlens, true_max)
+    cuda_inputs = [t.cuda() for t in (q, k, v, cu_seqlens)]
+    cuda_out = torch.ops.kimi_cg.varlen_attention(*cuda_inputs, true_max)
+    # The CUDA-graph runtime passes its bucket capacity, not the true maximum.
+    cuda_out_upper_bound = torch.ops.kimi_cg.varlen_attention(*cuda_inputs, true_max + 61)
+
+    assert cuda_out.device.type == "cuda" and cuda_out.shape == q.shape and cuda_out.dtype == q.dtype
+    reference = _naive_attention(q, k, v, cu_seqlens, torch.float64)
+    plain_error = _max_error(_naive_attention(q, k, v, cu_seqlens, torch.bfloat16), reference)
+    assert _max_error(cuda_out.cpu(), reference) <= 2 * plain_error + 2**-9
+    # Two units in the last place of bfloat16 (2**-7 relative each), near zero an absolute 2**-7.
+    torch.testing.assert_close(cuda_out.cpu(), cpu_out, atol=2**-7, rtol=2**-6)
+    torch.testing.assert_close(cuda_out_upper_bound, cuda_out, atol=2**-7, rtol=2**-6)
