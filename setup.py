@@ -11,9 +11,10 @@ setup(
     # kernels/ sits at the top level of the repository but installs as kimi_cg.kernels, so nothing
     # named plain `kernels` (an unrelated PyPI project owns that name) lands in site-packages.
     package_dir={"kimi_cg.kernels": "kernels"},
-    install_requires=["torch>=2.11", "sympy", "safetensors", "tqdm"],
+    # triton: the merge-gather kernels (CUDA) and their PyTorch references live in one module.
+    install_requires=["torch>=2.11", "triton>=3.0", "sympy", "safetensors", "tqdm", "numpy"],
     extras_require={
-        "test": ["pytest", "hypothesis", "triton==3.6.0", "transformers>=5.0", "numpy"],
+        "test": ["pytest", "hypothesis", "triton==3.6.0", "transformers>=5.0"],
         "flash": ["flash-attn"],
     },
     entry_points={"torch_dynamo_backends": ["kimi_cg = kimi_cg.backend:kimi_cg_backend"]},

@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import logging
 import operator
+import re
 from typing import Any
 
 import torch
@@ -255,4 +256,23 @@ class HostProgram:
             described += [f"item {r} {values[r]}" for r in sorted(rows) if r < len(values)]
         where = source_location(failing) if failing is not None else "the host metadata pass"
         items = ", ".join(described) if described else "the batch as a whole"
-        return InvalidInputError(f"kimi_cg: invalid input ({items}): {error}; raised at {where}")
+        message = self._name_symbols(str(error).splitlines()[0] if str(error) else repr(error), inputs)
+        return InvalidInputError(f"kimi_cg: invalid input ({items}): {message}; raised at {where}")
+
+    def _name_symbols(self, message: str, inputs) -> str:
+        """Replace dynamo's symbol names (u3, s99) in a message by the grid entries they stand for."""
+        names = {}
+        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        for node in self.gm.graph.nodes:
+            value = example_value(node)
+            if node.op == "call_method" and node.target == "item" and isinstance(value, torch.SymInt):
+                path, source = [], node.args[0]
+                while isinstance(source, torch.fx.Node) and source.target is operator.getitem:
+                    path.append(source.args[1])
+                    source = source.args[0]
+                names[str(value.node.expr)] = "grid" + "".join(f"[{i}]" for i in reversed(path))
+        for position, node in enumerate(placeholders):
+            value = example_value(node)
+            if isinstance(value, torch.SymInt):
+                names[str(value.node.expr)] = f"{str(value.node.expr)}(={inputs[position]})"
+        return re.sub(r"\b[us]\d+\b", lambda m: names.get(m.group(0), m.group(0)), message)

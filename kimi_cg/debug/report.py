@@ -37,9 +37,11 @@ def report_graph_break(gm: torch.fx.GraphModule) -> None:
     counters["graph_breaks"] += 1
     stack = getattr(reason, "user_stack", None) or []
     where = f"{stack[-1].filename}:{stack[-1].lineno}" if stack else "unknown location"
+    text = str(reason.reason)
+    summary = next((line.strip() for line in text.splitlines() if "data-dependent" in line), text.splitlines()[0] if text else "")
     logger.warning(
-        "kimi_cg: graph break at %s: %s. Fix: %s. Results stay correct (the rest of the frame runs eagerly).",
-        where, reason.reason, suggested_fix(str(reason.reason)),
+        "kimi_cg: graph break at %s: %s Fix: %s. Results stay correct (the rest of the frame runs eagerly).",
+        where, summary[:300], suggested_fix(text),
     )
 
 
