@@ -15,6 +15,7 @@ import torch.fx
 
 from kimi_cg.capture import example_value
 from kimi_cg.counters import counters
+from kimi_cg.errors import UnsupportedGraphError
 
 logger = logging.getLogger(__name__)
 
@@ -67,16 +68,64 @@ class DeviceProgram:
 
     def __call__(self, *inputs):
         if self._compiled is None:
-            self._compiled = self._compile()
+            self._compiled = self._compile(inputs)
         return self._compiled(*inputs)
 
-    def _compile(self):
+    def _compile(self, inputs):
         if self.compiler == "eager":
             return self.gm
         if self.compiler == "inductor":
-            # Dynamic in every size so one compilation serves all patch counts (see docs/design.md).
-            return torch.compile(self.gm, backend="inductor", dynamic=True, fullgraph=True)
+            return compile_with_inductor(self.gm, inputs)
         raise ValueError(f"unknown device compiler {self.compiler!r}")
+
+
+def _symbolic_fakes(inputs, fake_mode):
+    """Fake inputs with every tensor dim dynamic (no duck sizing, no 0/1 specialisation), so the
+    compiled program is valid for every patch count; dims that must agree (pixels and position
+    embeddings both have L rows) are unified by the guards the ops themselves add while tracing."""
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+
+    fakes = []
+    for value in inputs:
+        if isinstance(value, torch.Tensor):
+            is_state = isinstance(value, torch.nn.Parameter) or value.dim() == 0
+            dynamic = [DimDynamic.STATIC if is_state else DimDynamic.DYNAMIC] * value.dim()
+            if not is_state and value.dim() > 1:
+                dynamic = [DimDynamic.DYNAMIC] + [DimDynamic.STATIC] * (value.dim() - 1)
+            context = StatelessSymbolicContext(dynamic_sizes=dynamic)
+            fakes.append(fake_mode.from_tensor(value, symbolic_context=context))
+        else:
+            fakes.append(value)
+    return fakes
+
+
+def compile_with_inductor(gm: torch.fx.GraphModule, inputs):
+    """Compile the device program with Inductor once, dynamic in the leading dim of every
+    activation-like input (L, R, number of segments)."""
+    from torch._inductor.compile_fx import compile_fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    shape_env = ShapeEnv(duck_shape=False, specialize_zero_one=False)
+    fake_mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=False)
+    fakes = _symbolic_fakes(inputs, fake_mode)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    # A SymInt input (dynamo's s0) is the leading size of the tensor input that dynamo traced with
+    # that same symbol (the pixel values); bind it to that fake's symbol.
+    for position, node in enumerate(placeholders):
+        symbol = example_value(node)
+        if not isinstance(symbol, torch.SymInt):
+            continue
+        for other, fake in zip(placeholders, fakes):
+            traced = example_value(other)
+            if isinstance(traced, torch.Tensor) and traced.dim() and isinstance(traced.shape[0], torch.SymInt):
+                if traced.shape[0].node.expr == symbol.node.expr and isinstance(fake.shape[0], torch.SymInt):
+                    fakes[position] = fake.shape[0]
+                    break
+        else:
+            raise UnsupportedGraphError(f"device program input {node.name}={symbol} is not the size of a tensor input")
+    with fake_mode:
+        return compile_fx(gm, fakes)
 
 
 def get_device_program(gm: torch.fx.GraphModule, compiler: str, host_inputs: frozenset[int] = frozenset()) -> DeviceProgram:
