@@ -20,6 +20,7 @@ from kimi_cg.device_program import get_device_program
 from kimi_cg.errors import UnsupportedGraphError
 from kimi_cg.host_program import HostProgram
 from kimi_cg.lift import split
+from kimi_cg.runtime.graphs import BucketedGraphs, input_rules
 from kimi_cg.runtime.runner import LiftedRunner
 from kimi_cg.debug import report_graph_break, write_lift_report
 
@@ -59,7 +60,36 @@ def kimi_cg_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | No
     const_inputs = {item.index for item in inputs if item.role is capture.InputRole.MODULE_STATE}
     host = HostProgram(lifted.host, grid_inputs, const_inputs, config.metadata_cache_bytes)
     host_inputs = frozenset(i for i, ref in enumerate(lifted.device.inputs) if ref.program == "host")
-    device = get_device_program(lifted.device.gm, _resolve_compiler(config, example_inputs), host_inputs)
+    compiler = _resolve_compiler(config, example_inputs)
+    if not _has_dynamic_patch_count(inputs):
+        compiler = "eager"  # dynamo's first, static-shape trace serves one L: not worth an Inductor compile
+    device = get_device_program(lifted.device.gm, compiler, host_inputs)
     if debug_dir:
         write_lift_report(debug_dir, lifted, host, device)
-    return LiftedRunner(lifted, host, device, activations[0])
+    return LiftedRunner(lifted, host, device, activations[0], _bucketed_graphs(config, lifted, inputs, device, example_inputs))
+
+
+def _has_dynamic_patch_count(inputs) -> bool:
+    activation = next(item for item in inputs if item.role is capture.InputRole.ACTIVATION)
+    return isinstance(capture.example_value(activation.node).shape[0], torch.SymInt)
+
+
+def _bucketed_graphs(config: KimiCGConfig, lifted, inputs, device, example_inputs) -> BucketedGraphs | None:
+    on_cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
+    enabled = on_cuda if config.cuda_graphs is None else config.cuda_graphs
+    if not enabled:
+        return None
+    if not _has_dynamic_patch_count(inputs):
+        # Dynamo's first trace of a frame has static shapes: that program serves one exact L and
+        # cannot be padded. It runs as is; the dynamic retrace (next new size) gets the buckets.
+        return None
+    roles = {item.index: item.role for item in inputs}
+    kinds = []
+    for ref in lifted.device.inputs:
+        if ref.program != "arg":
+            kinds.append("host")
+        else:
+            kinds.append({capture.InputRole.ACTIVATION: "activation", capture.InputRole.SIZE: "size"}.get(roles[ref.index], "state"))
+    rules = input_rules(device, kinds)
+    return BucketedGraphs(device, rules, config.buckets(), config.max_items, config.max_frames, capture=on_cuda,
+                          poison_pool=config.poison_graph_pool)

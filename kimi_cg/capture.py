@@ -9,6 +9,7 @@ imported; torch.compile imports it through the ``torch_dynamo_backends`` entry p
   one graph instead of graph breaks that specialise (and recompile) on every image size;
 - ``capture_dynamic_output_shape_ops = True``: ops whose output size depends on data stay in the
   graph too.
+Plus, on torch < 2.13 only, the compatibility shim of NOTE [list vs torch.Size].
 
 A backend cannot scope these to its own frames (torch.compile drops ``backend_ctx_ctor``, and
 config is read at trace time and is not part of guards), so they apply to every torch.compile in
@@ -19,8 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import importlib
 import logging
+import operator
 import re
+import sys
 
 import torch
 import torch.fx
@@ -36,6 +40,38 @@ def configure_dynamo() -> None:
         if getattr(torch._dynamo.config, name) != value:
             logger.info("kimi_cg sets torch._dynamo.config.%s = %s", name, value)
             setattr(torch._dynamo.config, name, value)
+    _patch_list_compare()
+
+
+def _list_vs_tuple_aware(original):
+    def list_cmp(op, left, right):
+        # Python: a list never equals a tuple (or torch.Size); compare element-wise only when both
+        # sides are lists or both are tuples.
+        if op in (operator.eq, operator.ne) and isinstance(left, list) != isinstance(right, list):
+            return op is operator.ne
+        return original(op, left, right)
+
+    list_cmp.__kimi_cg_original__ = original
+    return list_cmp
+
+
+def _patch_list_compare() -> None:
+    """NOTE [list vs torch.Size]: dynamo before torch 2.13 compares ``[h, w] == weight.shape[:-1]``
+    (upstream MoonViT's position-embedding check, always False in Python) element by element, so
+    with unbacked h, w it guards on ``h != 64`` and graph-breaks. Its polyfill ``list_cmp`` is made
+    type-aware, as Python and torch >= 2.13 are. A compatibility shim for that one bug; a no-op on
+    torch >= 2.13."""
+    if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13):
+        return
+    polyfills = importlib.import_module("torch._dynamo.polyfills")
+    original = getattr(polyfills, "list_cmp", None)
+    if original is None or hasattr(original, "__kimi_cg_original__"):
+        return
+    patched = _list_vs_tuple_aware(original)
+    for name, module in list(sys.modules.items()):
+        if name.startswith("torch._dynamo") and getattr(module, "list_cmp", None) is original:
+            setattr(module, "list_cmp", patched)
+    logger.info("kimi_cg: made dynamo's list_cmp polyfill list/tuple aware (torch %s)", torch.__version__)
 
 
 class InputRole(enum.Enum):

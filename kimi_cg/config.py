@@ -21,6 +21,29 @@ class KimiCGConfig:
     """When set, each compiled graph writes its stages (before/after each pass, host and device
     programs, the lift report) under this folder. Also read from the env var KIMI_CG_DEBUG_DIR."""
 
+    cuda_graphs: bool | None = None
+    """Replay the device program as CUDA graphs per token bucket. None: on when the activations are
+    on CUDA. Setting it on a CPU model runs the same bucketed, padded path without capture (tests)."""
+
+    token_budgets: tuple[int, ...] | None = None
+    """Bucket capacities in patches (L rows). None: doubling from ``min_tokens`` to ``max_tokens``."""
+
+    min_tokens: int = 1024
+    """Smallest bucket of the default ladder."""
+
+    max_tokens: int = 16384
+    """Largest bucket of the default ladder (a 128x128-patch image fits)."""
+
+    max_items: int = 32
+    """Most items (images, video chunks) one replay takes; more run the non-graphed program."""
+
+    max_frames: int = 4
+    """Most frames merged into one output row (the temporal-mean width of the gather plan)."""
+
+    poison_graph_pool: bool = False
+    """Testing aid: fill the CUDA-graph memory pool with NaN before capturing, so that any read of
+    memory the graphs did not write shows up as NaN in the outputs (NOTE [padding rules])."""
+
     strict: bool = True
     """Raise UnsupportedGraphError when a graph cannot be lifted; when False, log the reason and run
     the captured graph unchanged (correct, but with host syncs)."""
@@ -30,6 +53,26 @@ class KimiCGConfig:
             raise ValueError(f"device_compiler must be auto, eager or inductor; got {self.device_compiler!r}")
         if not isinstance(self.metadata_cache_bytes, int) or self.metadata_cache_bytes < 0:
             raise ValueError(f"metadata_cache_bytes must be a non-negative int; got {self.metadata_cache_bytes!r}")
+        if self.token_budgets is not None:
+            budgets = tuple(self.token_budgets)
+            if not budgets or any(not isinstance(b, int) or b <= 0 for b in budgets):
+                raise ValueError(f"token_budgets must be positive ints; got {self.token_budgets!r}")
+            object.__setattr__(self, "token_budgets", tuple(sorted(set(budgets))))
+        for name in ("min_tokens", "max_tokens", "max_items", "max_frames"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be a positive int; got {getattr(self, name)!r}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens {self.min_tokens} > max_tokens {self.max_tokens}")
+
+    def buckets(self) -> tuple[int, ...]:
+        """Bucket capacities, ascending: the user's, or doubling from min_tokens up to max_tokens."""
+        if self.token_budgets is not None:
+            return self.token_budgets
+        ladder, size = [], self.min_tokens
+        while size < self.max_tokens:
+            ladder.append(size)
+            size *= 2
+        return tuple(ladder + [self.max_tokens])
 
     @classmethod
     def from_options(cls, options: dict[str, Any] | None) -> "KimiCGConfig":

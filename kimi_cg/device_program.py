@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 import logging
 
+import sympy
+
 import torch
 import torch.fx
 
@@ -66,6 +68,14 @@ class DeviceProgram:
         self.compiler = compiler
         self._compiled = None
 
+    def __init__(self, gm: torch.fx.GraphModule, key: str, compiler: str, host_inputs: frozenset[int] = frozenset()):
+        self.gm = gm
+        self.key = key
+        self.compiler = compiler
+        self.host_inputs = host_inputs
+        self._compiled = None
+        self._output_rows = None
+
     def __call__(self, *inputs):
         if self._compiled is None:
             self._compiled = self._compile(inputs)
@@ -75,22 +85,34 @@ class DeviceProgram:
         if self.compiler == "eager":
             return self.gm
         if self.compiler == "inductor":
-            return compile_with_inductor(self.gm, inputs)
+            return compile_with_inductor(self.gm, inputs, self.host_inputs)
         raise ValueError(f"unknown device compiler {self.compiler!r}")
 
+    def output_rows(self, inputs) -> list[int | None]:
+        """The leading size each output has for these (unpadded) inputs, from the program's symbolic
+        shapes: the CUDA-graph runtime slices a bucket's padded outputs back to these sizes."""
+        if self._output_rows is None:
+            self._output_rows = _output_row_expressions(self.gm, inputs, self.host_inputs)
+        symbols, expressions = self._output_rows
+        values = {symbol: inputs[i].shape[d] for symbol, (i, d) in symbols.items()}
+        return [None if expr is None else int(expr.xreplace(values)) for expr in expressions]
 
-def _symbolic_fakes(inputs, fake_mode):
-    """Fake inputs with every tensor dim dynamic (no duck sizing, no 0/1 specialisation), so the
-    compiled program is valid for every patch count; dims that must agree (pixels and position
-    embeddings both have L rows) are unified by the guards the ops themselves add while tracing."""
+
+def _symbolic_fakes(inputs, fake_mode, host_inputs: frozenset[int]):
+    """Fake inputs whose sizes are symbols (no duck sizing, no 0/1 specialisation), so the compiled
+    program is valid for every patch count; dims that must agree (pixels and position embeddings
+    both have L rows) are unified by the guards the ops themselves add while tracing. Activations
+    vary in dim 0; host metadata (gather plans: rows and frames) in every dim; module state not."""
     from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
 
     fakes = []
-    for value in inputs:
+    for position, value in enumerate(inputs):
         if isinstance(value, torch.Tensor):
-            is_state = isinstance(value, torch.nn.Parameter) or value.dim() == 0
-            dynamic = [DimDynamic.STATIC if is_state else DimDynamic.DYNAMIC] * value.dim()
-            if not is_state and value.dim() > 1:
+            if position in host_inputs:
+                dynamic = [DimDynamic.DYNAMIC] * value.dim()
+            elif isinstance(value, torch.nn.Parameter) or value.dim() == 0:
+                dynamic = [DimDynamic.STATIC] * value.dim()
+            else:
                 dynamic = [DimDynamic.DYNAMIC] + [DimDynamic.STATIC] * (value.dim() - 1)
             context = StatelessSymbolicContext(dynamic_sizes=dynamic)
             fakes.append(fake_mode.from_tensor(value, symbolic_context=context))
@@ -99,16 +121,13 @@ def _symbolic_fakes(inputs, fake_mode):
     return fakes
 
 
-def compile_with_inductor(gm: torch.fx.GraphModule, inputs):
-    """Compile the device program with Inductor once, dynamic in the leading dim of every
-    activation-like input (L, R, number of segments)."""
-    from torch._inductor.compile_fx import compile_fx
+def _fake_inputs(gm: torch.fx.GraphModule, inputs, host_inputs: frozenset[int]):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     shape_env = ShapeEnv(duck_shape=False, specialize_zero_one=False)
     fake_mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=False)
-    fakes = _symbolic_fakes(inputs, fake_mode)
+    fakes = _symbolic_fakes(inputs, fake_mode, host_inputs)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     # A SymInt input (dynamo's s0) is the leading size of the tensor input that dynamo traced with
     # that same symbol (the pixel values); bind it to that fake's symbol.
@@ -124,15 +143,46 @@ def compile_with_inductor(gm: torch.fx.GraphModule, inputs):
                     break
         else:
             raise UnsupportedGraphError(f"device program input {node.name}={symbol} is not the size of a tensor input")
+    return fake_mode, fakes
+
+
+def compile_with_inductor(gm: torch.fx.GraphModule, inputs, host_inputs: frozenset[int] = frozenset()):
+    """Compile the device program with Inductor once, for symbolic input sizes (see _symbolic_fakes)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    fake_mode, fakes = _fake_inputs(gm, inputs, host_inputs)
     with fake_mode:
         return compile_fx(gm, fakes)
+
+
+def _output_row_expressions(gm: torch.fx.GraphModule, inputs, host_inputs: frozenset[int]):
+    """Run the program on symbolic fakes once: each output's leading size as an expression over
+    (input index, dim) symbols."""
+    fake_mode, fakes = _fake_inputs(gm, inputs, host_inputs)
+    with fake_mode:
+        outputs = gm(*fakes)
+    shape_env = fake_mode.shape_env
+    symbols = {}
+    for position, fake in enumerate(fakes):
+        if isinstance(fake, torch.Tensor):
+            for dim, size in enumerate(fake.shape):
+                if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+                    symbols.setdefault(size.node.expr, (position, dim))
+    expressions = []
+    for output in outputs:
+        if isinstance(output, torch.Tensor) and output.dim():
+            size = output.shape[0]
+            expressions.append(shape_env.replace(size.node.expr) if isinstance(size, torch.SymInt) else sympy.Integer(size))
+        else:
+            expressions.append(None)
+    return symbols, expressions
 
 
 def get_device_program(gm: torch.fx.GraphModule, compiler: str, host_inputs: frozenset[int] = frozenset()) -> DeviceProgram:
     key = f"{compiler}:{structural_hash(gm, host_inputs)}"
     program = _PROGRAMS.get(key)
     if program is None:
-        program = DeviceProgram(gm, key, compiler)
+        program = DeviceProgram(gm, key, compiler, host_inputs)
         _PROGRAMS[key] = program
         counters["device_programs_compiled"] += 1
         logger.info("kimi_cg: new device program %s (%d nodes)", key, len(gm.graph.nodes))

@@ -185,7 +185,24 @@ def classify(gm: torch.fx.GraphModule, inputs: list[GraphInput]) -> dict[torch.f
                 categories[node] = Category.SIZE if scalar and not isinstance(value, torch.Tensor) else Category.HOST
             else:
                 categories[node] = Category.CONST
+    _sink_host_views(graph, categories)
     return categories
+
+
+_SINKABLE_VIEWS = {"unsqueeze", "view", "reshape", "transpose", "permute", "squeeze", "expand", "flatten"}
+
+
+def _sink_host_views(graph: torch.fx.Graph, categories: dict[torch.fx.Node, Category]) -> None:
+    """A view of a host tensor used only by device ops (each layer's ``freqs_cis.unsqueeze(-2)``)
+    moves into the device program, so the host hands over the base tensor once, not once per layer."""
+    for node in reversed(list(graph.nodes)):
+        if categories.get(node) is not Category.HOST or node.op != "call_method" or node.target not in _SINKABLE_VIEWS:
+            continue
+        tensor_inputs = node.all_input_nodes
+        if len(tensor_inputs) != 1 or not isinstance(example_value(tensor_inputs[0]), torch.Tensor):
+            continue
+        if node.users and all(categories.get(user) is Category.DEVICE for user in node.users):
+            categories[node] = Category.DEVICE
 
 
 def _check_device_symbols(nodes, categories) -> None:

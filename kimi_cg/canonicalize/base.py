@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import time
 
+import torch
 import torch.fx
 
 logger = logging.getLogger(__name__)
@@ -72,3 +74,32 @@ def stable_topological_sort(graph: torch.fx.Graph) -> None:
         elif cursor.next is not node:
             cursor.append(node)
         cursor = node
+
+
+_PURE_FUNCTIONS = {operator.getitem, operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod,
+                   operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge, torch.sym_sum,
+                   torch.ops.aten.sym_size.int}
+
+
+def eliminate_common_scalar_subexpressions(graph: torch.fx.Graph, extra_pure=()) -> int:
+    """Merge repeated pure scalar/index computations (each layer re-reading ``cu_seqlens[i].item()``)
+    so that equal host values are computed, and handed to the device, once."""
+    pure = _PURE_FUNCTIONS | set(extra_pure)
+    seen: dict = {}
+    merged = 0
+    for node in list(graph.nodes):
+        is_pure = (node.op == "call_function" and node.target in pure) or (node.op == "call_method" and node.target == "item")
+        if not is_pure:
+            continue
+        try:
+            key = (node.op, node.target, node.args, tuple(sorted(node.kwargs.items())))
+            hash(key)
+        except TypeError:
+            continue
+        if key in seen:
+            node.replace_all_uses_with(seen[key])
+            graph.erase_node(node)
+            merged += 1
+        else:
+            seen[key] = node
+    return merged

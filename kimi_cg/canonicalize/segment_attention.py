@@ -36,7 +36,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from kimi_cg.capture import example_value
-from kimi_cg.canonicalize.base import GraphPass
+from kimi_cg.canonicalize.base import GraphPass, eliminate_common_scalar_subexpressions
 from kimi_cg.errors import InvalidInputError
 
 logger = logging.getLogger(__name__)
@@ -99,6 +99,8 @@ class SegmentAttentionPass(GraphPass):
                 mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
                 if isinstance(mask, torch.fx.Node):
                     masks.setdefault(mask, []).append(node)
+        if masks:  # each layer rebuilds its mask from cu_seqlens[i].item(): make those values shared
+            report["scalars_merged"] = eliminate_common_scalar_subexpressions(graph)
         for mask, attentions in masks.items():
             found = _block_mask_bounds(mask, set(attentions))
             rewritable = found is not None and all(self._rewritable(node) for node in attentions)
@@ -106,8 +108,10 @@ class SegmentAttentionPass(GraphPass):
                 report["sdpa_left"] += [node.name for node in attentions]
                 continue
             bounds, setitems = found
+            shape = mask.args[0] if mask.args else mask.kwargs.get("size")
+            total = shape[-1] if isinstance(shape, (tuple, list)) else None  # the mask's L: shared by all layers
             for node in attentions:
-                self._rewrite_sdpa(graph, node, bounds)
+                self._rewrite_sdpa(graph, node, bounds, total)
                 report["sdpa_rewritten"] += 1
             for setitem in setitems:
                 graph.erase_node(setitem)
@@ -121,6 +125,8 @@ class SegmentAttentionPass(GraphPass):
                     bound.meta["example_value"] = example_value(node.args[0]).shape[0]
                     node.args = node.args[:4] + (bound,)
                     report["max_seqlen_bounded"] += 1
+        if report["sdpa_rewritten"]:
+            eliminate_common_scalar_subexpressions(graph, extra_pure=(segments_to_cu_seqlens,))
         if report["sdpa_left"]:
             logger.warning("kimi_cg: attention left dense (mask not recognised as block-diagonal): %s", report["sdpa_left"])
         return report
@@ -136,7 +142,7 @@ class SegmentAttentionPass(GraphPass):
         return isinstance(query, torch.Tensor) and (query.dim() == 3 or (query.dim() == 4 and query.shape[0] == 1))
 
     @staticmethod
-    def _rewrite_sdpa(graph: torch.fx.Graph, node: torch.fx.Node, bounds: list) -> None:
+    def _rewrite_sdpa(graph: torch.fx.Graph, node: torch.fx.Node, bounds: list, mask_length) -> None:
         batched = example_value(node.args[0]).dim() == 4
         with graph.inserting_before(node):
             packed = []
@@ -146,7 +152,9 @@ class SegmentAttentionPass(GraphPass):
                 packed.append(graph.call_method("transpose", (tensor, -3, -2)))  # [H, L, D] -> [L, H, D]
             total = graph.call_function(torch.ops.aten.sym_size.int, (packed[0], 0))
             total.meta["example_value"] = example_value(node.args[0]).shape[-2]
-            cu_seqlens = graph.call_function(segments_to_cu_seqlens, (tuple(bounds), total))
+            host_total = mask_length if mask_length is not None else total
+            cu_seqlens = graph.call_function(segments_to_cu_seqlens, (tuple(bounds), host_total))
+            cu_seqlens.meta["stack_trace"] = node.meta.get("stack_trace")
             out = graph.call_function(_VARLEN, (*packed, cu_seqlens, total))
             out = graph.call_method("transpose", (out, -3, -2))
             if batched:

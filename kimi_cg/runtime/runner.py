@@ -3,20 +3,32 @@
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 
+from kimi_cg.counters import counters
 from kimi_cg.device_program import DeviceProgram
 from kimi_cg.host_program import HostProgram
 from kimi_cg.lift import LiftedGraph, ValueRef
+from kimi_cg.runtime.graphs import BucketedGraphs
 
 logger = logging.getLogger(__name__)
+
+
+_LIVE_RUNNERS: "weakref.WeakSet[LiftedRunner]" = weakref.WeakSet()
+
+
+def live_runners() -> list["LiftedRunner"]:
+    """Runners of graphs compiled in this process (benchmarks read their buckets and memory)."""
+    return list(_LIVE_RUNNERS)
 
 
 class LiftedRunner:
     """The callable kimi_cg returns to dynamo for one graph."""
 
-    def __init__(self, lifted: LiftedGraph, host: HostProgram, device: DeviceProgram, device_type_index: int | None):
+    def __init__(self, lifted: LiftedGraph, host: HostProgram, device: DeviceProgram, device_type_index: int | None,
+                 graphs: BucketedGraphs | None = None):
         self.lifted = lifted
         self.host = host
         self.device = device
@@ -26,6 +38,8 @@ class LiftedRunner:
         self.device_refs = lifted.device.inputs
         self.post_refs = lifted.post.inputs
         self.output_refs = lifted.outputs
+        self.graphs = graphs
+        _LIVE_RUNNERS.add(self)
 
     @staticmethod
     def _resolve(ref: ValueRef, args, results):
@@ -45,7 +59,16 @@ class LiftedRunner:
             if ref.program == "host" and isinstance(value, torch.Tensor) and target is not None and value.device != target:
                 value = value.to(target, non_blocking=True)
             device_args.append(value)
-        results["device"] = self.device(*device_args)
+        results["device"] = self._run_device(device_args)
         if self.post_refs or self.lifted.post.outputs:
             results["post"] = self.lifted.post.gm(*(self._resolve(ref, args, results) for ref in self.post_refs))
         return tuple(self._resolve(ref, args, results) for ref in self.output_refs)
+
+    def _run_device(self, device_args):
+        if self.graphs is not None:
+            capacity = self.graphs.choose(device_args)
+            if capacity is not None:
+                return self.graphs.run(device_args, capacity)
+            counters["eager_fallbacks"] += 1
+            logger.debug("kimi_cg: call does not fit a bucket; running the non-graphed device program")
+        return self.device(*device_args)

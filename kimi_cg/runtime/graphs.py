@@ -1,0 +1,228 @@
+"""CUDA graphs of the device program, one per token bucket, replayed with padded static inputs.
+
+NOTE [padding rules]
+A bucket of capacity C (patches) owns static inputs sized for C. A call with L <= C patches copies
+its inputs in and pads:
+- activation rows and row-aligned host metadata (position embeddings, RoPE factors): rows L..C-1
+  are zero;
+- ``cu_seqlens`` (every varlen segmentation input): the real boundaries, then one trailing segment
+  [L, C) that covers the padding rows, then empty segments up to the static length. Every row of
+  the bucket is therefore attended and finite, even when the graph pool holds stale NaNs from
+  earlier work: padded rows never read uninitialised memory;
+- ``max_seqlen`` is C (the canonicalised program already uses the packed length);
+- gather plans (index [R, K], weight [R, K]): rows R..C-1 and frames K..max_frames-1 get index -1
+  (no contribution: the gather writes zeros and reads nothing), weight 0.
+After the replay each output is sliced to the size the unpadded call would have (from the device
+program's symbolic output shapes) and cloned, so a later call never changes an earlier result.
+
+All buckets share one graph memory pool and are captured largest first (smaller graphs reuse the
+largest one's blocks). Without CUDA the same padded path runs without capture (CPU tests cover
+the padding and slicing logic; only the capture itself needs a GPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import torch
+
+import kimi_cg.ops  # noqa: F401  (registers torch.ops.kimi_cg.*)
+from kimi_cg.counters import counters
+from kimi_cg.device_program import DeviceProgram
+
+logger = logging.getLogger(__name__)
+
+_MERGE_GATHER = torch.ops.kimi_cg.merge_gather
+_VARLEN = torch.ops.kimi_cg.varlen_attention
+
+
+def _packet(target):
+    """An op overload's packet (``kimi_cg.varlen_attention.default`` -> ``kimi_cg.varlen_attention``)."""
+    return getattr(target, "overloadpacket", target)
+
+
+@dataclasses.dataclass(frozen=True)
+class InputRule:
+    kind: str  # "rows", "size", "static", "cu_seqlens", "plan_index", "plan_weight"
+
+
+def input_rules(program: DeviceProgram, kinds: list[str]) -> list[InputRule]:
+    """Padding rule per device-program input; ``kinds`` says where each comes from
+    ("activation", "state", "size", "host")."""
+    placeholders = [n for n in program.gm.graph.nodes if n.op == "placeholder"]
+    rules = []
+    for node, kind in zip(placeholders, kinds):
+        if kind == "activation":
+            rules.append(InputRule("rows"))
+        elif kind == "state":
+            rules.append(InputRule("static"))
+        elif kind == "size":
+            rules.append(InputRule("size"))
+        else:
+            uses = {(_packet(user.target), user.args.index(node)) for user in node.users if node in user.args}
+            if (_MERGE_GATHER, 1) in uses:
+                rules.append(InputRule("plan_index"))
+            elif (_MERGE_GATHER, 2) in uses:
+                rules.append(InputRule("plan_weight"))
+            elif (_VARLEN, 3) in uses:
+                rules.append(InputRule("cu_seqlens"))
+            else:
+                rules.append(InputRule("rows"))
+    return rules
+
+
+class _Bucket:
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.inputs: list = []
+        self.outputs: tuple = ()
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+
+class BucketedGraphs:
+    """Runs a device program through padded per-bucket static buffers (CUDA graphs on CUDA)."""
+
+    def __init__(self, program: DeviceProgram, rules: list[InputRule], buckets: tuple[int, ...], max_items: int,
+                 max_frames: int, capture: bool, poison_pool: bool = False):
+        self.program = program
+        self.rules = rules
+        self.capacities = buckets
+        self.max_segments = max_items + 1  # real segments plus the trailing padding segment
+        self.max_frames = max_frames
+        self.capture = capture
+        self.poison_pool = poison_pool
+        self.buckets: dict[int, _Bucket] = {}
+        self.pool = None
+        self.graph_bytes = 0
+
+    # -- planning -------------------------------------------------------------------------------
+    def _patches(self, inputs) -> int:
+        return max(inputs[i].shape[0] for i, rule in enumerate(self.rules) if rule.kind == "rows")
+
+    def choose(self, inputs) -> int | None:
+        """The smallest bucket this call fits, or None (then the caller runs the plain program)."""
+        patches = self._patches(inputs)
+        for i, rule in enumerate(self.rules):
+            value = inputs[i]
+            if rule.kind == "cu_seqlens" and value.shape[0] > self.max_segments:
+                return None
+            if rule.kind in ("plan_index", "plan_weight"):
+                if value.shape[1] > self.max_frames:
+                    return None
+                patches = max(patches, value.shape[0])
+            if rule.kind == "rows" and value.shape[0] != self._patches(inputs):
+                return None  # host metadata that is not row-aligned with the patches
+        return next((c for c in self.capacities if c >= patches), None)
+
+    # -- static buffers ---------------------------------------------------------------------------
+    def _allocate(self, capacity: int, inputs) -> list:
+        static = []
+        for rule, value in zip(self.rules, inputs):
+            if rule.kind == "static":
+                static.append(value)
+            elif rule.kind == "size":
+                static.append(capacity)
+            elif rule.kind == "rows":
+                static.append(torch.zeros((capacity, *value.shape[1:]), dtype=value.dtype, device=value.device))
+            elif rule.kind == "cu_seqlens":
+                buffer = torch.full((self.max_segments + 1,), capacity, dtype=torch.int32, device=self._device(inputs))
+                buffer[0] = 0
+                static.append(buffer)
+            elif rule.kind == "plan_index":
+                static.append(torch.full((capacity, self.max_frames), -1, dtype=value.dtype, device=self._device(inputs)))
+            elif rule.kind == "plan_weight":
+                static.append(torch.zeros((capacity, self.max_frames), dtype=value.dtype, device=self._device(inputs)))
+        return static
+
+    def _device(self, inputs) -> torch.device:
+        return next(inputs[i].device for i, r in enumerate(self.rules) if r.kind == "rows")
+
+    def _fill(self, bucket: _Bucket, inputs) -> None:
+        capacity = bucket.capacity
+        for rule, static, value in zip(self.rules, bucket.inputs, inputs):
+            if rule.kind == "rows":
+                rows = value.shape[0]
+                static[:rows].copy_(value, non_blocking=True)
+                static[rows:].zero_()
+            elif rule.kind == "cu_seqlens":
+                count = value.shape[0]
+                static[:count].copy_(value, non_blocking=True)
+                static[count:].fill_(capacity)  # trailing segment [L, C), then empty segments
+            elif rule.kind in ("plan_index", "plan_weight"):
+                rows, frames = value.shape
+                static[:rows, :frames].copy_(value, non_blocking=True)
+                static[:rows, frames:].fill_(-1 if rule.kind == "plan_index" else 0)
+                static[rows:].fill_(-1 if rule.kind == "plan_index" else 0)
+
+    # -- capture and replay -----------------------------------------------------------------------
+    def prepare(self, inputs) -> None:
+        """Allocate (and on CUDA capture) every bucket, largest first, into one memory pool."""
+        missing = [c for c in sorted(self.capacities, reverse=True) if c not in self.buckets]
+        if not missing:
+            return
+        progress = _progress(missing) if self.capture and len(missing) > 1 else missing
+        start = time.perf_counter()
+        for capacity in progress:
+            bucket = _Bucket(capacity)
+            bucket.inputs = self._allocate(capacity, inputs)
+            if self.capture:
+                self._capture(bucket)
+            self.buckets[capacity] = bucket
+        logger.info("kimi_cg: prepared %d buckets %s in %.1f s", len(missing), missing, time.perf_counter() - start)
+
+    def _capture(self, bucket: _Bucket) -> None:
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+            if self.poison_pool:
+                self._fill_pool_with_nan(bucket.inputs)
+        before = torch.cuda.memory_allocated()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compile, autotune and allocator warm-up stay out of the graph
+                self.program(*bucket.inputs)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            bucket.outputs = tuple(self.program(*bucket.inputs))
+        bucket.graph = graph
+        self.graph_bytes += max(0, torch.cuda.memory_allocated() - before)
+        counters["captures"] += 1
+
+    def _fill_pool_with_nan(self, inputs) -> None:
+        """Capture and replay a graph that fills (and frees) a large block of the pool with NaN; the
+        bucket graphs captured next reuse those blocks for their intermediates."""
+        device = self._device(inputs)
+        poison_bytes = 4 * sum(v.numel() * v.element_size() for v in inputs if isinstance(v, torch.Tensor)) + (256 << 20)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            block = torch.empty(poison_bytes // 4, dtype=torch.float32, device=device)
+            block.fill_(float("nan"))
+            del block
+        graph.replay()
+        torch.cuda.synchronize()
+
+    def run(self, inputs, capacity: int):
+        self.prepare(inputs)
+        bucket = self.buckets[capacity]
+        self._fill(bucket, inputs)
+        if bucket.graph is not None:
+            bucket.graph.replay()
+            outputs = bucket.outputs
+            counters["graph_replays"] += 1
+        else:
+            outputs = tuple(self.program(*bucket.inputs))
+        rows = self.program.output_rows(inputs)
+        return tuple(
+            out[:n].clone() if isinstance(out, torch.Tensor) and n is not None else out for out, n in zip(outputs, rows)
+        )
+
+
+def _progress(items):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm is a dependency; stay quiet if it is missing anyway
+        return items
+    return tqdm(items, desc="kimi_cg: capturing CUDA graphs (patch buckets)", unit="bucket", leave=False)

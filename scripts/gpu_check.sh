@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# GPU proof on the H200 in one run: core tests under the GPU machine's torch, the GPU tests
+# (CUDA-graph replays vs eager in bf16, fuzzed, poisoned pool), then a short summary.
+# On the device machine (no internet) kimi_cg comes from a wheel built here:
+#   pip wheel --no-deps --no-build-isolation -w .whl .   (then carry .whl)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/kimi_cg_gpu}; mkdir -p "$OUT"
+if ls .whl/kimi_cg-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/kimi_cg_site .whl/kimi_cg-*.whl && export PYTHONPATH=/tmp/kimi_cg_site
+fi
+python3 -c "import torch, kimi_cg.kernels; print('torch', torch.__version__, torch.cuda.get_device_name())" || exit 1
+export KIMI_CG_GPU_SUMMARY="$OUT/gpu_summary.json"
+status=0
+pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_kernels.py tests/test_varlen_attention.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt" || status=1
+grep -q "failed\|error" "$OUT/gpu_tests.txt" && status=1
+pytest -q -p no:cacheprovider -x tests/test_backend.py tests/test_runtime.py tests/test_models.py 2>&1 | tail -8 | tee "$OUT/core_tests.txt"
+grep -q "failed\|error" "$OUT/core_tests.txt" && status=1
+python3 - "$KIMI_CG_GPU_SUMMARY" <<'PY'
+import json, sys
+try:
+    data = json.load(open(sys.argv[1]))
+except FileNotFoundError:
+    sys.exit("no GPU summary written")
+print(f"GPU summary ({data['device']}, torch {data['torch']}):")
+for case, s in data["cases"].items():
+    c = s["counters"]
+    print(f"  {case}: {s['batches']} batches, worst rel err vs fp32 {s['worst_relative_error_vs_fp32']:.2e} "
+          f"(<= {s['worst_error_ratio_vs_eager_bf16']:.2f}x eager bf16), dynamo graphs {c.get('dynamo_graphs')}, "
+          f"device programs {c.get('device_programs_compiled')}, captures {c.get('captures', 0)}, "
+          f"replays {c.get('graph_replays', 0)}, fallbacks {c.get('eager_fallbacks', 0)}, breaks {c.get('graph_breaks', 0)}")
+PY
+exit $status

@@ -1,0 +1,112 @@
+"""The bucketed runtime on CPU: padding rules, slicing, fallbacks, no aliasing (the capture itself
+needs CUDA: tests/test_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kimi_cg
+from kimi_cg.config import KimiCGConfig
+from kimi_cg.models import KimiK25VisionEncoder, KimiVLVisionEncoder, MoonViT3dConfig, MoonVitConfig, MoonVitPretrainedModel
+
+OPTIONS = {"cuda_graphs": True, "token_budgets": [256, 1024, 2048], "max_items": 4}
+
+
+@pytest.fixture(autouse=True)
+def fresh_compiler():
+    torch._dynamo.reset()
+    kimi_cg.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def inputs(grid, seed):
+    grid_tensor = torch.tensor(grid)
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(int(grid_tensor.prod(-1).sum()), 3, 14, 14, generator=generator), grid_tensor
+
+
+@pytest.mark.parametrize(
+    "build, grids",
+    [
+        (lambda: KimiVLVisionEncoder(MoonVitConfig.tiny(attn_implementation="sdpa")),
+         [[[4, 6], [2, 8]], [[6, 4], [8, 2]], [[2, 2], [4, 4], [6, 6]], [[64, 64]], [[8, 8]] * 5, [[2, 64], [16, 2]]]),
+        (lambda: KimiK25VisionEncoder(MoonViT3dConfig.tiny()),
+         [[[1, 4, 6], [2, 2, 8]], [[3, 6, 4], [1, 8, 2]], [[4, 4, 4], [1, 2, 2]], [[1, 64, 64]], [[2, 8, 8]] * 5, [[4, 2, 64]]]),
+    ],
+    ids=["kimi_vl", "kimi_k25"],
+)
+def test_bucketed_path_matches_eager_and_falls_back_when_too_big(build, grids):
+    torch.manual_seed(0)
+    model = build().eval()
+    compiled = torch.compile(model, backend="kimi_cg", options=OPTIONS)
+    with torch.no_grad():
+        for seed, grid in enumerate(grids):
+            pixel_values, grid_tensor = inputs(grid, seed)
+            got, want = compiled(pixel_values, grid_tensor), model(pixel_values, grid_tensor)
+            assert len(got) == len(want)
+            for g, w in zip(got, want):
+                assert g.shape == w.shape
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    # [[64, 64]] (4096 patches) exceeds the largest bucket; five items exceed max_items=4.
+    assert kimi_cg.counters["eager_fallbacks"] == 2
+
+
+def test_results_do_not_alias_static_buffers():
+    torch.manual_seed(0)
+    model = MoonVitPretrainedModel(MoonVitConfig.tiny()).eval()
+    compiled = torch.compile(model, backend="kimi_cg", options=OPTIONS)
+    with torch.no_grad():
+        compiled(*inputs([[2, 2]], 0))  # static first trace
+        first = compiled(*inputs([[4, 6], [2, 8]], 1))
+        kept = [t.clone() for t in first]
+        compiled(*inputs([[6, 4], [8, 2]], 2))  # same bucket, same shapes: would overwrite aliases
+    for a, b in zip(first, kept):
+        assert torch.equal(a, b)
+
+
+def test_padded_rows_are_zero_and_cu_seqlens_gets_a_trailing_segment():
+    from kimi_cg.runtime.graphs import BucketedGraphs, InputRule
+
+    class Recorder:
+        def __call__(self, *args):
+            self.args = args
+            return (args[0] * 1.0,)
+
+        def output_rows(self, args):
+            return [args[0].shape[0]]
+
+    recorder = Recorder()
+    rules = [InputRule("rows"), InputRule("size"), InputRule("cu_seqlens"), InputRule("plan_index"), InputRule("plan_weight")]
+    runtime = BucketedGraphs(recorder, rules, buckets=(8, 16), max_items=3, max_frames=2, capture=False)
+    x = torch.randn(5, 3)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    index = torch.tensor([[0], [1], [4]])
+    weight = torch.ones(3, 1)
+    args = [x, 5, cu, index, weight]
+    capacity = runtime.choose(args)
+    assert capacity == 8
+    (out,) = runtime.run(args, capacity)
+    static_x, size, static_cu, static_index, static_weight = recorder.args
+    assert size == 8 and static_x.shape == (8, 3) and torch.equal(static_x[:5], x) and not static_x[5:].any()
+    assert static_cu.tolist() == [0, 2, 5, 8, 8]  # real bounds, trailing [5, 8), then empty segments
+    assert static_index.shape == (8, 2) and static_index[:3, 0].tolist() == [0, 1, 4]
+    assert (static_index[:, 1] == -1).all() and (static_index[3:] == -1).all()
+    assert not static_weight[3:].any() and not static_weight[:, 1].any()
+    assert torch.equal(out, x)
+    assert runtime.choose([torch.randn(17, 3), 17, cu, index, weight]) is None  # larger than every bucket
+    assert runtime.choose([x, 5, torch.zeros(6, dtype=torch.int32), index, weight]) is None  # too many items
+    assert runtime.choose([x, 5, cu, torch.zeros(3, 3, dtype=torch.long), torch.ones(3, 3)]) is None  # frames
+
+
+def test_bucket_ladder_and_option_validation():
+    assert KimiCGConfig().buckets() == (1024, 2048, 4096, 8192, 16384)
+    assert KimiCGConfig(token_budgets=(300, 100, 300)).buckets() == (100, 300)
+    with pytest.raises(ValueError):
+        KimiCGConfig(token_budgets=(0,))
+    with pytest.raises(ValueError):
+        KimiCGConfig(min_tokens=4096, max_tokens=1024)
+    with pytest.raises(ValueError):
+        KimiCGConfig(device_compiler="tvm")
+    assert KimiCGConfig().compute_hash() != KimiCGConfig(max_items=3).compute_hash()
