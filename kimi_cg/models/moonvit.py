@@ -165,9 +165,10 @@ class Rope2DPosEmb(nn.Module):
         table = torch.stack([col_cis, row_cis], dim=-1)
         return table.reshape(self.max_height, self.max_width, -1)
 
-    def get_freqs_cis_by_seqlens(self, grid_hws: torch.Tensor) -> torch.Tensor:
+    def get_freqs_cis_by_seqlens(self, grid_hws: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+        # Built where the activations live (the grid may stay on the host, as serving engines keep it).
         if self.freqs_cis is None:
-            self.freqs_cis = self._precompute_freqs_cis(grid_hws.device)
+            self.freqs_cis = self._precompute_freqs_cis(device if device is not None else grid_hws.device)
         shapes = grid_hws.tolist()
         for h, w in shapes:  # upstream: assert all(1 <= h <= max_h and 1 <= w <= max_w ...)
             torch._check(h >= 1)
@@ -266,7 +267,7 @@ class MoonVitEncoder(nn.Module):
         self.final_layernorm = nn.LayerNorm(config.hidden_size)
 
     def forward(self, x: torch.Tensor, grid_hws: torch.Tensor) -> torch.Tensor:
-        rope_freqs_cis = self.rope_2d.get_freqs_cis_by_seqlens(grid_hws)
+        rope_freqs_cis = self.rope_2d.get_freqs_cis_by_seqlens(grid_hws, device=x.device)
         lengths = torch.cat([torch.zeros(1, device=grid_hws.device, dtype=grid_hws.dtype), grid_hws[:, 0] * grid_hws[:, 1]])
         cu_seqlens = lengths.cumsum(dim=0, dtype=torch.int32)
         for block in self.blocks:

@@ -143,9 +143,9 @@ class MoonVision3dPatchEmbed(nn.Module):
 class Rope2DPosEmbRepeated(Rope2DPosEmb):
     """The Kimi-VL 2D RoPE table, looked up per chunk and repeated for each of its ``t`` frames."""
 
-    def get_freqs_cis(self, grid_thws: torch.Tensor) -> torch.Tensor:
+    def get_freqs_cis(self, grid_thws: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
         if self.freqs_cis is None:
-            self.freqs_cis = self._precompute_freqs_cis(grid_thws.device)
+            self.freqs_cis = self._precompute_freqs_cis(device if device is not None else grid_thws.device)
         shapes = grid_thws.tolist()
         for _, h, w in shapes:  # upstream: assert all(1 <= h <= max_h and 1 <= w <= max_w ...)
             torch._check(h >= 1)
@@ -169,7 +169,7 @@ class MoonViT3dEncoder(nn.Module):
         self.final_layernorm = nn.LayerNorm(config.hidden_size)
 
     def forward(self, x: torch.Tensor, grid_thws: torch.Tensor) -> torch.Tensor:
-        rope_freqs_cis = self.rope_2d.get_freqs_cis(grid_thws)
+        rope_freqs_cis = self.rope_2d.get_freqs_cis(grid_thws, device=x.device)
         chunk_lengths = grid_thws[:, 0] * grid_thws[:, 1] * grid_thws[:, 2]
         lengths = torch.cat([torch.zeros(1, device=grid_thws.device, dtype=grid_thws.dtype), chunk_lengths])
         cu_seqlens = lengths.cumsum(dim=0, dtype=torch.int32)
