@@ -10,12 +10,12 @@ OUT=${OUT:-/tmp/kimi_cg_gpu}; mkdir -p "$OUT"
 if ls .whl/kimi_cg-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/kimi_cg_site .whl/kimi_cg-*.whl && export PYTHONPATH=/tmp/kimi_cg_site
 fi
-python3 -c "import torch, kimi_cg.kernels; print('torch', torch.__version__, torch.cuda.get_device_name())" || exit 1
+python3 -P -c "import torch, kimi_cg.kernels; print('torch', torch.__version__, torch.cuda.get_device_name())" || exit 1
 export KIMI_CG_GPU_SUMMARY="$OUT/gpu_summary.json"
 status=0
-pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_kernels.py tests/test_varlen_attention.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt" || status=1
+python3 -P -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_kernels.py tests/test_varlen_attention.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt" || status=1
 grep -q "failed\|error" "$OUT/gpu_tests.txt" && status=1
-pytest -q -p no:cacheprovider -x tests/test_backend.py tests/test_runtime.py tests/test_models.py 2>&1 | tail -8 | tee "$OUT/core_tests.txt"
+python3 -P -m pytest -q -p no:cacheprovider -x tests/test_backend.py tests/test_runtime.py tests/test_models.py 2>&1 | tail -8 | tee "$OUT/core_tests.txt"
 grep -q "failed\|error" "$OUT/core_tests.txt" && status=1
 python3 - "$KIMI_CG_GPU_SUMMARY" <<'PY'
 import json, sys
