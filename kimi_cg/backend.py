@@ -79,10 +79,12 @@ def _bucketed_graphs(config: KimiCGConfig, lifted, inputs, device, example_input
     enabled = on_cuda if config.cuda_graphs is None else config.cuda_graphs
     if not enabled:
         return None
+    buckets = config.buckets()
     if not _has_dynamic_patch_count(inputs):
-        # Dynamo's first trace of a frame has static shapes: that program serves one exact L and
-        # cannot be padded. It runs as is; the dynamic retrace (next new size) gets the buckets.
-        return None
+        # Dynamo's first trace of a frame has static shapes: that program serves one exact L (its
+        # guards send only that L here), so it gets one graph of exactly that size.
+        activation = next(item for item in inputs if item.role is capture.InputRole.ACTIVATION)
+        buckets = (int(capture.example_value(activation.node).shape[0]),)
     roles = {item.index: item.role for item in inputs}
     kinds = []
     for ref in lifted.device.inputs:
@@ -91,5 +93,5 @@ def _bucketed_graphs(config: KimiCGConfig, lifted, inputs, device, example_input
         else:
             kinds.append({capture.InputRole.ACTIVATION: "activation", capture.InputRole.SIZE: "size"}.get(roles[ref.index], "state"))
     rules = input_rules(device, kinds)
-    return BucketedGraphs(device, rules, config.buckets(), config.max_items, config.max_frames, capture=on_cuda,
+    return BucketedGraphs(device, rules, buckets, config.max_items, config.max_frames, capture=on_cuda,
                           poison_pool=config.poison_graph_pool)

@@ -77,11 +77,11 @@ def summarize(times_ms: list[float], warmup_s: float, compiles: int) -> dict:
     }
 
 
-def build_system(name: str, model):
+def build_system(name: str, model, device_compiler: str = "auto"):
     if name == "eager":
         return model
     if name == "kimi_cg":
-        return torch.compile(model, backend="kimi_cg")
+        return torch.compile(model, backend="kimi_cg", options={"device_compiler": device_compiler})
     if name == "inductor":
         return torch.compile(model)
     if name == "inductor_reduce_overhead":
@@ -159,6 +159,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--device-compiler", default="auto", choices=["auto", "eager", "inductor"])
     args = parser.parse_args()
     systems = args.systems.split(",")
     workloads = args.workloads.split(",")
@@ -171,13 +172,21 @@ def main() -> None:
     for name in systems:
         torch._dynamo.reset()
         kimi_cg.reset()
-        system = build_system(name, vit)
+        system = build_system(name, vit, args.device_compiler)
         for workload, grid in (("W1", [[32, 32]]), ("W2", W2), ("W3", [[128, 128]])):
             if workload not in workloads:
                 continue
             before = compile_count(name)
             times, warmup = run_fixed(system, grid, args.repeats, seed=1)
             results.setdefault(workload, {})[name] = summarize(times, warmup, compile_count(name) - before)
+            if name == "kimi_cg":
+                with torch.no_grad():
+                    pixels, grid_tensor = make_inputs(grid, 1)
+                    got, want = system(pixels, grid_tensor), vit(pixels, grid_tensor)
+                    num = sum(float((g.float() - w.float()).norm() ** 2) for g, w in zip(got, want)) ** 0.5
+                    den = sum(float(w.float().norm() ** 2) for w in want) ** 0.5
+                    extras[f"{workload}_rel_err_vs_eager"] = num / den
+                    print(f"{workload} kimi_cg vs eager relative error {num / den:.2e}", flush=True)
             if name == "kimi_cg" and workload == "W1":
                 replay = replay_only_ms(1024)
                 extras["W1_replay_only_ms"] = replay
@@ -205,7 +214,7 @@ def main() -> None:
         for name in systems:
             torch._dynamo.reset()
             kimi_cg.reset()
-            system = build_system(name, vit3d)
+            system = build_system(name, vit3d, args.device_compiler)
             before = compile_count(name)
             first, _, warmup = run_stream(system, warm3d, stream3d, seed=200)
             results.setdefault("W4_3d", {})[name] = summarize(first, warmup, compile_count(name) - before)
