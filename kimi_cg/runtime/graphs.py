@@ -118,6 +118,10 @@ class BucketedGraphs:
 
     # -- static buffers ---------------------------------------------------------------------------
     def _allocate(self, capacity: int, inputs) -> list:
+        # Every buffer lives on the activations' device, whatever device the host pass produced a
+        # value on (cu_seqlens from a host-side grid is a CPU tensor): a graph cannot copy from
+        # pageable host memory during capture, and _fill does that copy before each replay.
+        device = self._device(inputs)
         static = []
         for rule, value in zip(self.rules, inputs):
             if rule.kind == "static":
@@ -125,15 +129,15 @@ class BucketedGraphs:
             elif rule.kind == "size":
                 static.append(capacity)
             elif rule.kind == "rows":
-                static.append(torch.zeros((capacity, *value.shape[1:]), dtype=value.dtype, device=value.device))
+                static.append(torch.zeros((capacity, *value.shape[1:]), dtype=value.dtype, device=device))
             elif rule.kind == "cu_seqlens":
-                buffer = torch.full((self.max_segments + 1,), capacity, dtype=torch.int32, device=self._device(inputs))
+                buffer = torch.full((self.max_segments + 1,), capacity, dtype=torch.int32, device=device)
                 buffer[0] = 0
                 static.append(buffer)
             elif rule.kind == "plan_index":
-                static.append(torch.full((capacity, self.max_frames), -1, dtype=value.dtype, device=self._device(inputs)))
+                static.append(torch.full((capacity, self.max_frames), -1, dtype=value.dtype, device=device))
             elif rule.kind == "plan_weight":
-                static.append(torch.zeros((capacity, self.max_frames), dtype=value.dtype, device=self._device(inputs)))
+                static.append(torch.zeros((capacity, self.max_frames), dtype=value.dtype, device=device))
         return static
 
     def _device(self, inputs) -> torch.device:
