@@ -8,6 +8,7 @@ metadata cache), device program (shared by structure), runner.
 from __future__ import annotations
 
 import logging
+import operator
 import os
 
 import torch
@@ -58,7 +59,7 @@ def kimi_cg_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | No
         return gm.forward
     grid_inputs = [item.index for item in inputs if item.role is capture.InputRole.GRID]
     const_inputs = {item.index for item in inputs if item.role is capture.InputRole.MODULE_STATE}
-    host = HostProgram(lifted.host, grid_inputs, const_inputs, config.metadata_cache_bytes)
+    host = HostProgram(lifted.host, grid_inputs, const_inputs, config.metadata_cache_bytes, config.batch_cache_size)
     host_inputs = frozenset(i for i, ref in enumerate(lifted.device.inputs) if ref.program == "host")
     compiler = _resolve_compiler(config, example_inputs)
     if not _has_dynamic_patch_count(inputs):
@@ -74,7 +75,8 @@ def _has_dynamic_patch_count(inputs) -> bool:
     return isinstance(capture.example_value(activation.node).shape[0], torch.SymInt)
 
 
-def _bucketed_graphs(config: KimiCGConfig, lifted, inputs, device, example_inputs) -> BucketedGraphs | None:
+def _bucketed_graphs(config: KimiCGConfig, lifted, inputs, device, example_inputs):
+    """A function from a call's device inputs to its BucketedGraphs, or None (no CUDA graphs)."""
     on_cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
     enabled = on_cuda if config.cuda_graphs is None else config.cuda_graphs
     if not enabled:
@@ -93,5 +95,24 @@ def _bucketed_graphs(config: KimiCGConfig, lifted, inputs, device, example_input
         else:
             kinds.append({capture.InputRole.ACTIVATION: "activation", capture.InputRole.SIZE: "size"}.get(roles[ref.index], "state"))
     rules = input_rules(device, kinds)
-    return BucketedGraphs(device, rules, buckets, config.max_items, config.max_frames, capture=on_cuda,
-                          poison_pool=config.poison_graph_pool)
+    key = (tuple(rules), buckets, config.max_items, config.max_frames, on_cuda, config.poison_graph_pool)
+
+    static_positions = [i for i, rule in enumerate(rules) if rule.kind == "static"]
+    take_static = operator.itemgetter(*static_positions) if len(static_positions) > 1 else None
+
+    def graphs_for(device_args) -> BucketedGraphs:
+        # Dynamo graphs of one model (one per number of items) share a structurally equal device
+        # program and its captured graphs. A capture bakes in the addresses of the weights, so
+        # another model instance with the same structure gets its own graphs.
+        if take_static is not None:
+            weights = tuple(map(torch.Tensor.data_ptr, take_static(device_args)))
+        else:
+            weights = tuple(device_args[i].data_ptr() for i in static_positions)
+        graphs = device.bucketed_graphs.get((key, weights))
+        if graphs is None:
+            graphs = BucketedGraphs(device, rules, buckets, config.max_items, config.max_frames, capture=on_cuda,
+                                    poison_pool=config.poison_graph_pool)
+            device.bucketed_graphs[(key, weights)] = graphs
+        return graphs
+
+    return graphs_for

@@ -8,7 +8,9 @@ imported; torch.compile imports it through the ``torch_dynamo_backends`` entry p
 - ``capture_scalar_outputs = True``: ``grid.tolist()`` / ``.item()`` become unbacked SymInts inside
   one graph instead of graph breaks that specialise (and recompile) on every image size;
 - ``capture_dynamic_output_shape_ops = True``: ops whose output size depends on data stay in the
-  graph too.
+  graph too;
+- ``recompile_limit >= 64``: dynamo keeps one graph per number of items N; with the default 8, a
+  serving mix of 1..8+ images exhausts it and later calls silently run eager (seen on the H200).
 Plus, on torch < 2.13 only, the compatibility shim of NOTE [list vs torch.Size].
 
 A backend cannot scope these to its own frames (torch.compile drops ``backend_ctx_ctor``, and
@@ -32,6 +34,9 @@ import torch.fx
 logger = logging.getLogger(__name__)
 
 DYNAMO_SETTINGS = {"capture_scalar_outputs": True, "capture_dynamic_output_shape_ops": True}
+# Dynamo keeps one graph per number of items N (plus the static first trace and the RoPE table's
+# retrace): the default limit of 8 graphs per frame sends calls with new N to eager once reached.
+MIN_RECOMPILE_LIMIT = 64
 
 
 def configure_dynamo() -> None:
@@ -40,6 +45,9 @@ def configure_dynamo() -> None:
         if getattr(torch._dynamo.config, name) != value:
             logger.info("kimi_cg sets torch._dynamo.config.%s = %s", name, value)
             setattr(torch._dynamo.config, name, value)
+    if torch._dynamo.config.recompile_limit < MIN_RECOMPILE_LIMIT:
+        logger.info("kimi_cg raises torch._dynamo.config.recompile_limit to %d", MIN_RECOMPILE_LIMIT)
+        torch._dynamo.config.recompile_limit = MIN_RECOMPILE_LIMIT
     _patch_list_compare()
 
 
@@ -49,6 +57,13 @@ def _list_vs_tuple_aware(original):
         # sides are lists or both are tuples.
         if op in (operator.eq, operator.ne) and isinstance(left, list) != isinstance(right, list):
             return op is operator.ne
+        if op is operator.eq and len(left) == len(right):
+            # Element-wise equality as one symbolic condition (no guard per element), so that
+            # torch._check(x.shape[:-2] == y.shape[:-1]) traces with unbacked sizes.
+            result = True
+            for a, b in zip(left, right):
+                result = torch.sym_and(result, a == b) if result is not True else a == b
+            return result
         return original(op, left, right)
 
     list_cmp.__kimi_cg_original__ = original

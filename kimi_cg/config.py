@@ -17,6 +17,9 @@ class KimiCGConfig:
     metadata_cache_bytes: int = 1 << 30
     """Budget of the per-item host metadata cache (position embeddings, RoPE slices); LRU beyond."""
 
+    batch_cache_size: int = 16
+    """Recent batches (same grid, same weights) whose whole host pass is reused; 0 disables."""
+
     debug_dir: str | None = None
     """When set, each compiled graph writes its stages (before/after each pass, host and device
     programs, the lift report) under this folder. Also read from the env var KIMI_CG_DEBUG_DIR."""

@@ -7,6 +7,7 @@ Keys (missing keys read as 0):
   device_program_cache_hits   dynamo graphs that reused an existing device program
   host_programs_built         host metadata programs built (one per dynamo graph)
   metadata_cache_hits/misses  per-item host metadata lookups
+  batch_cache_hits            calls whose whole host pass was reused (same grid, same weights)
   graph_replays, captures     CUDA-graph replays and captures (CUDA runtime)
   eager_fallbacks             calls or items that ran the non-graphed device program
 """

@@ -75,6 +75,8 @@ class DeviceProgram:
         self.host_inputs = host_inputs
         self._compiled = None
         self._output_rows = None
+        self._output_rows_by_shape: dict = {}
+        self.bucketed_graphs: dict = {}  # runtime.graphs.BucketedGraphs per runtime configuration
 
     def __call__(self, *inputs):
         if self._compiled is None:
@@ -94,8 +96,14 @@ class DeviceProgram:
         if self._output_rows is None:
             self._output_rows = _output_row_expressions(self.gm, inputs, self.host_inputs)
         symbols, expressions = self._output_rows
-        values = {symbol: inputs[i].shape[d] for symbol, (i, d) in symbols.items()}
-        return [None if expr is None else int(expr.xreplace(values)) for expr in expressions]
+        signature = tuple(inputs[i].shape[d] for i, d in symbols.values())
+        rows = self._output_rows_by_shape.get(signature)
+        if rows is None:
+            values = dict(zip(symbols, signature))
+            rows = [None if expr is None else int(expr.xreplace(values)) for expr in expressions]
+            if len(self._output_rows_by_shape) < 4096:
+                self._output_rows_by_shape[signature] = rows
+        return rows
 
 
 def _symbolic_fakes(inputs, fake_mode, host_inputs: frozenset[int]):

@@ -124,7 +124,8 @@ def replay_only_ms(capacity_hint: int) -> float | None:
 def graph_memory_bytes() -> int:
     from kimi_cg.runtime.runner import live_runners
 
-    return sum(r.graphs.graph_bytes for r in live_runners() if r.graphs is not None)
+    shared = {id(r.graphs): r.graphs for r in live_runners() if r.graphs is not None}
+    return sum(graphs.graph_bytes for graphs in shared.values())
 
 
 def run_fixed(system, grid, repeats: int, seed: int) -> tuple[list[float], float]:

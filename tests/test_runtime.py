@@ -110,3 +110,16 @@ def test_bucket_ladder_and_option_validation():
     with pytest.raises(ValueError):
         KimiCGConfig(device_compiler="tvm")
     assert KimiCGConfig().compute_hash() != KimiCGConfig(max_items=3).compute_hash()
+
+
+def test_two_models_with_one_structure_do_not_share_captured_weights():
+    torch.manual_seed(0)
+    first = MoonVitPretrainedModel(MoonVitConfig.tiny()).eval()
+    second = MoonVitPretrainedModel(MoonVitConfig.tiny()).eval()  # same structure, other weights
+    compiled = [torch.compile(m, backend="kimi_cg", options=OPTIONS) for m in (first, second)]
+    with torch.no_grad():
+        for seed, grid in enumerate([[[2, 2]], [[4, 6], [2, 8]], [[6, 4], [8, 2]]]):
+            pixel_values, grid_tensor = inputs(grid, seed)
+            for model, fast in zip((first, second), compiled):
+                for got, want in zip(fast(pixel_values, grid_tensor), model(pixel_values, grid_tensor)):
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -75,7 +75,8 @@ def varlen_attention_reference(
 def varlen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
 ) -> torch.Tensor:
-    if q.device.type != "cuda":
+    if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
+        # Flash kernels take fp16/bf16 only; fp32 (references, CPU) runs per-segment SDPA.
         return varlen_attention_reference(q, k, v, cu_seqlens)
     check_varlen_inputs(q, k, v, cu_seqlens)
     cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32)

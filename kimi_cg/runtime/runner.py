@@ -28,7 +28,7 @@ class LiftedRunner:
     """The callable kimi_cg returns to dynamo for one graph."""
 
     def __init__(self, lifted: LiftedGraph, host: HostProgram, device: DeviceProgram, device_type_index: int | None,
-                 graphs: BucketedGraphs | None = None):
+                 graphs_for=None):
         self.lifted = lifted
         self.host = host
         self.device = device
@@ -38,7 +38,8 @@ class LiftedRunner:
         self.device_refs = lifted.device.inputs
         self.post_refs = lifted.post.inputs
         self.output_refs = lifted.outputs
-        self.graphs = graphs
+        self.graphs_for = graphs_for  # device inputs -> BucketedGraphs (shared by equal programs)
+        self.graphs: BucketedGraphs | None = None
         _LIVE_RUNNERS.add(self)
 
     @staticmethod
@@ -65,7 +66,10 @@ class LiftedRunner:
         return tuple(self._resolve(ref, args, results) for ref in self.output_refs)
 
     def _run_device(self, device_args):
-        if self.graphs is not None:
+        if self.graphs_for is not None:
+            # Looked up per call: dynamo shares one compiled graph between instances of a module
+            # class (weights are inputs), while captured graphs belong to one set of weights.
+            self.graphs = self.graphs_for(device_args)
             capacity = self.graphs.choose(device_args)
             if capacity is not None:
                 return self.graphs.run(device_args, capacity)
