@@ -201,9 +201,9 @@ def test_empty_batch_raises():
 class _UpstreamAssertRope(moonvit.Rope2DPosEmb):
     """The RoPE lookup with upstream's untraceable assert (a generator over grid values)."""
 
-    def get_freqs_cis_by_seqlens(self, grid_hws):
+    def get_freqs_cis_by_seqlens(self, grid_hws, device=None):
         if self.freqs_cis is None:
-            self.freqs_cis = self._precompute_freqs_cis(grid_hws.device)
+            self.freqs_cis = self._precompute_freqs_cis(device if device is not None else grid_hws.device)
         shapes = grid_hws.tolist()
         assert all(1 <= h <= self.max_height and 1 <= w <= self.max_width for h, w in shapes), shapes
         return torch.cat([self.freqs_cis[:h, :w].reshape(-1, self.dim // 2) for h, w in shapes], dim=0)
