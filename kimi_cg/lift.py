@@ -62,13 +62,14 @@ _VIEW_FUNCTIONS = {operator.getitem, torch.split, torch.unbind, torch.narrow, to
 
 
 def source_location(node: torch.fx.Node) -> str:
-    """The user's ``file:line`` (and code) a node came from, for error messages."""
-    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
-    frames = [line.strip() for line in trace if line.strip().startswith("File ")]
+    """The user's ``File "...", line N, in f: code`` a node came from, for error messages."""
+    lines = [line.strip() for line in (node.meta.get("stack_trace") or "").strip().splitlines()]
+    frames = [i for i, line in enumerate(lines) if line.startswith("File ")]
     if not frames:
         return f"node {node.name}"
-    code = trace[trace.index(next(l for l in reversed(trace) if l.strip().startswith("File "))) + 1:]
-    return f"{frames[-1]}: {code[0].strip() if code else ''}"
+    last = frames[-1]
+    code = lines[last + 1] if last + 1 < len(lines) else ""
+    return f"{lines[last]}: {code}"
 
 
 def is_size_query(node: torch.fx.Node) -> bool:

@@ -13,10 +13,13 @@ fi
 python3 -P -c "import torch, kimi_cg.kernels; print('torch', torch.__version__, torch.cuda.get_device_name())" || exit 1
 export KIMI_CG_GPU_SUMMARY="$OUT/gpu_summary.json"
 status=0
-python3 -P -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_kernels.py tests/test_varlen_attention.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt" || status=1
-grep -q "failed\|error" "$OUT/gpu_tests.txt" && status=1
-python3 -P -m pytest -q -p no:cacheprovider -x tests/test_backend.py tests/test_runtime.py tests/test_models.py 2>&1 | tail -8 | tee "$OUT/core_tests.txt"
-grep -q "failed\|error" "$OUT/core_tests.txt" && status=1
+# Full logs go to $OUT as they are written (they come back even if the run hits its time limit).
+python3 -P -m pytest -v -p no:cacheprovider --durations=10 tests/test_gpu.py tests/test_kernels.py tests/test_varlen_attention.py \
+  > "$OUT/gpu_tests.txt" 2>&1 || status=1
+tail -15 "$OUT/gpu_tests.txt"
+python3 -P -m pytest -q -p no:cacheprovider -x --durations=5 tests/test_backend.py tests/test_runtime.py tests/test_models.py \
+  > "$OUT/core_tests.txt" 2>&1 || status=1
+tail -8 "$OUT/core_tests.txt"
 python3 - "$KIMI_CG_GPU_SUMMARY" <<'PY'
 import json, sys
 try:

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import kimi_cg
@@ -21,14 +21,6 @@ from kimi_cg.models.moonvit3d import KimiK25VisionEncoder, MoonViT3dConfig, Moon
 
 # fp32: compiled vs eager within 1e-5 relative (design brief); outputs are O(1) after LayerNorm.
 RTOL, ATOL = 1e-5, 1e-5
-
-
-@pytest.fixture(autouse=True)
-def fresh_compiler():
-    torch._dynamo.reset()
-    kimi_cg.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def make_inputs(grid: list[list[int]], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,7 +82,10 @@ TOWERS = [
 
 @pytest.mark.parametrize("build, batches", TOWERS)
 @pytest.mark.parametrize("impl, max_patches", [("flash_attention_2", 6000), ("sdpa", 2500)])
-@settings(max_examples=1, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+# No shrinking: one example is a whole sequence of batches (each failure message names its grid),
+# and re-running a sequence to shrink it would recompile the model many times.
+@settings(max_examples=1, deadline=None, suppress_health_check=list(HealthCheck), database=None,
+          phases=[Phase.explicit, Phase.generate])
 @given(data=st.data())
 def test_fuzzed_batches_match_eager_with_one_device_program(build, batches, impl, max_patches, data):
     torch._dynamo.reset()
@@ -104,7 +99,10 @@ def test_fuzzed_batches_match_eager_with_one_device_program(build, batches, impl
         for step in range(56):
             grid = data.draw(batches(max_patches), label=f"batch {step}")
             pixel_values, grid_tensor = make_inputs(grid, seed=step)
-            assert_same_outputs(compiled(pixel_values, grid_tensor), model(pixel_values, grid_tensor))
+            try:
+                assert_same_outputs(compiled(pixel_values, grid_tensor), model(pixel_values, grid_tensor))
+            except AssertionError as error:
+                raise AssertionError(f"batch {step} grid {grid}: {error}") from error
             seen_counts.append(len(grid))
             if step == 5:
                 programs_after_warmup = kimi_cg.counters["device_programs_compiled"]

@@ -13,14 +13,6 @@ from kimi_cg.models import KimiK25VisionEncoder, KimiVLVisionEncoder, MoonViT3dC
 OPTIONS = {"cuda_graphs": True, "token_budgets": [256, 1024, 2048], "max_items": 4}
 
 
-@pytest.fixture(autouse=True)
-def fresh_compiler():
-    torch._dynamo.reset()
-    kimi_cg.reset()
-    yield
-    torch._dynamo.reset()
-
-
 def inputs(grid, seed):
     grid_tensor = torch.tensor(grid)
     generator = torch.Generator().manual_seed(seed)
@@ -123,3 +115,18 @@ def test_two_models_with_one_structure_do_not_share_captured_weights():
             for model, fast in zip((first, second), compiled):
                 for got, want in zip(fast(pixel_values, grid_tensor), model(pixel_values, grid_tensor)):
                     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_inductor_device_program_compiles_once_for_all_buckets():
+    """The default on CUDA: Inductor with symbolic sizes, run here through the padded bucket path."""
+    torch.manual_seed(0)
+    model = KimiK25VisionEncoder(MoonViT3dConfig.tiny()).eval()
+    options = dict(OPTIONS, device_compiler="inductor")
+    compiled = torch.compile(model, backend="kimi_cg", options=options)
+    with torch.no_grad():
+        for seed, grid in enumerate([[[1, 2, 2]], [[1, 4, 6], [2, 2, 8]], [[3, 6, 4], [1, 8, 2]], [[1, 16, 16], [4, 4, 2]], [[1, 2, 2], [1, 2, 2], [2, 4, 4]]]):
+            pixel_values, grid_tensor = inputs(grid, seed)
+            for got, want in zip(compiled(pixel_values, grid_tensor), model(pixel_values, grid_tensor)):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert kimi_cg.counters["device_programs_compiled"] == 2  # eager (static first trace) + one Inductor program
+    assert kimi_cg.counters["eager_fallbacks"] == 0
