@@ -10,6 +10,7 @@ Keys (missing keys read as 0):
   batch_cache_hits            calls whose whole host pass was reused (same grid, same weights)
   graph_replays, captures     CUDA-graph replays and captures (CUDA runtime)
   eager_fallbacks             calls or items that ran the non-graphed device program
+  split_calls                 calls too large for one replay, run as several replays of whole items
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ def inputs(grid, seed):
     ],
     ids=["kimi_vl", "kimi_k25"],
 )
-def test_bucketed_path_matches_eager_and_falls_back_when_too_big(build, grids):
+def test_bucketed_path_matches_eager_splits_and_falls_back(build, grids):
     torch.manual_seed(0)
     model = build().eval()
     compiled = torch.compile(model, backend="kimi_cg", options=OPTIONS)
@@ -41,8 +41,10 @@ def test_bucketed_path_matches_eager_and_falls_back_when_too_big(build, grids):
             for g, w in zip(got, want):
                 assert g.shape == w.shape
                 torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
-    # [[64, 64]] (4096 patches) exceeds the largest bucket; five items exceed max_items=4.
-    assert kimi_cg.counters["eager_fallbacks"] == 2
+    # [[64, 64]] (4096 patches, one item) exceeds the largest bucket: the non-graphed program runs.
+    # Five items exceed max_items=4: the call is split into replays of 4 and 1 whole items.
+    assert kimi_cg.counters["eager_fallbacks"] == 1
+    assert kimi_cg.counters["split_calls"] == 1
 
 
 def test_results_do_not_alias_static_buffers():
@@ -130,3 +132,18 @@ def test_inductor_device_program_compiles_once_for_all_buckets():
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert kimi_cg.counters["device_programs_compiled"] == 2  # eager (static first trace) + one Inductor program
     assert kimi_cg.counters["eager_fallbacks"] == 0
+
+
+def test_split_keeps_item_order_and_runs_an_oversized_item_unsplit():
+    torch.manual_seed(0)
+    model = KimiVLVisionEncoder(MoonVitConfig.tiny()).eval()
+    compiled = torch.compile(model, backend="kimi_cg", options=OPTIONS)
+    with torch.no_grad():
+        for seed, grid in enumerate([[[2, 2]], [[4, 4], [2, 2]], [[40, 40], [2, 6], [30, 30], [4, 4]], [[4, 2], [64, 64], [2, 2]]]):
+            pixel_values, grid_tensor = inputs(grid, seed)
+            got, want = compiled(pixel_values, grid_tensor), model(pixel_values, grid_tensor)
+            assert [g.shape for g in got] == [w.shape for w in want]
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert kimi_cg.counters["split_calls"] == 2
+    assert kimi_cg.counters["eager_fallbacks"] == 1  # the 64x64 item alone

@@ -116,6 +116,78 @@ class BucketedGraphs:
                 return None  # host metadata that is not row-aligned with the patches
         return next((c for c in self.capacities if c >= patches), None)
 
+    def split(self, inputs) -> list[list] | None:
+        """NOTE [splitting]: a call too large for the largest bucket (or with too many items) becomes
+        several calls of whole segments (items), packed greedily in call order up to the largest
+        bucket and ``max_items``. Each part's inputs are slices of the call's: rows of the patch
+        axis, its cu_seqlens rebased, the gather-plan rows that read its patches (rebased). Returns
+        None when the inputs do not decompose that way (then the whole call runs unsplit)."""
+        cu_positions = [i for i, r in enumerate(self.rules) if r.kind == "cu_seqlens"]
+        if not cu_positions:
+            return None
+        cu = inputs[cu_positions[0]]
+        if any(not torch.equal(inputs[i].cpu(), cu.cpu()) for i in cu_positions[1:]):
+            return None
+        bounds = cu.tolist()
+        patches = self._patches(inputs)
+        if bounds[0] != 0 or bounds[-1] != patches:
+            return None
+        largest, parts, start = max(self.capacities), [], 0
+        for segment in range(1, len(bounds)):
+            too_long = bounds[segment] - bounds[start] > largest and segment - 1 > start
+            too_many = segment - start > self.max_segments - 1
+            if too_long or too_many:
+                parts.append((start, segment - 1))
+                start = segment - 1
+        parts.append((start, len(bounds) - 1))
+        plan = self._plan_rows(inputs, [(bounds[a], bounds[b]) for a, b in parts])
+        if plan is None:
+            return None
+        pieces = []
+        for (first, last), (row_start, row_end), (plan_start, plan_end) in zip(parts, [(bounds[a], bounds[b]) for a, b in parts], plan):
+            piece = []
+            for rule, value in zip(self.rules, inputs):
+                if rule.kind == "static":
+                    piece.append(value)
+                elif rule.kind == "size":
+                    piece.append(row_end - row_start)
+                elif rule.kind == "rows":
+                    piece.append(value[row_start:row_end])
+                elif rule.kind == "cu_seqlens":
+                    piece.append(value[first : last + 1] - row_start)
+                elif rule.kind == "plan_index":
+                    rows = value[plan_start:plan_end]
+                    piece.append(torch.where(rows >= 0, rows - row_start, rows))
+                else:
+                    piece.append(value[plan_start:plan_end])
+            pieces.append(piece)
+        return pieces
+
+    def _plan_rows(self, inputs, row_ranges) -> list[tuple[int, int]] | None:
+        """For each part's patch rows [a, b), the block of gather-plan rows that reads them."""
+        positions = [i for i, r in enumerate(self.rules) if r.kind == "plan_index"]
+        if not positions:
+            return [(0, 0)] * len(row_ranges)
+        index = inputs[positions[0]]
+        valid = index >= 0
+        if not bool(valid.any(dim=1).all()):
+            return None
+        first = torch.where(valid, index, torch.iinfo(index.dtype).max).amin(dim=1).cpu()
+        last = torch.where(valid, index, -1).amax(dim=1).cpu()
+        starts = torch.tensor([start for start, _ in row_ranges], dtype=first.dtype)
+        part_of_first = torch.searchsorted(starts, first, right=True) - 1
+        part_of_last = torch.searchsorted(starts, last, right=True) - 1
+        if not bool((part_of_first == part_of_last).all()):
+            return None  # a plan row mixes patches of two parts
+        if not bool((part_of_first[1:] >= part_of_first[:-1]).all()):
+            return None  # plan rows are not grouped by part
+        counts = torch.bincount(part_of_first, minlength=len(row_ranges)).tolist()
+        blocks, offset = [], 0
+        for count in counts:
+            blocks.append((offset, offset + count))
+            offset += count
+        return blocks
+
     # -- static buffers ---------------------------------------------------------------------------
     def _allocate(self, capacity: int, inputs) -> list:
         # Every buffer lives on the activations' device, whatever device the host pass produced a

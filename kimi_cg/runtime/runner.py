@@ -73,6 +73,30 @@ class LiftedRunner:
             capacity = self.graphs.choose(device_args)
             if capacity is not None:
                 return self.graphs.run(device_args, capacity)
+            split = self._run_split(device_args)
+            if split is not None:
+                return split
             counters["eager_fallbacks"] += 1
             logger.debug("kimi_cg: call does not fit a bucket; running the non-graphed device program")
         return self.device(*device_args)
+
+    def _run_split(self, device_args):
+        """NOTE [splitting] in runtime/graphs.py: several replays of whole items, outputs concatenated."""
+        parts = self.graphs.split(device_args)
+        if parts is None or len(parts) < 2:
+            return None
+        full_rows = self.device.output_rows(device_args)
+        part_rows = [self.device.output_rows(part) for part in parts]
+        for j, rows in enumerate(full_rows):  # outputs must be row-wise over items to concatenate
+            if rows is None or sum(p[j] for p in part_rows) != rows:
+                return None
+        counters["split_calls"] += 1
+        results = []
+        for part in parts:
+            capacity = self.graphs.choose(part)
+            if capacity is None:
+                counters["eager_fallbacks"] += 1  # one item larger than the largest bucket
+                results.append(tuple(self.device(*part)))
+            else:
+                results.append(self.graphs.run(part, capacity))
+        return tuple(torch.cat(pieces) for pieces in zip(*results))
