@@ -264,3 +264,17 @@ def test_unknown_option_is_rejected():
     compiled = torch.compile(MoonVitPretrainedModel(MoonVitConfig.tiny()), backend="kimi_cg", options={"no_such_option": 1})
     with pytest.raises(Exception, match="unknown kimi_cg options"):
         compiled(*make_inputs([[2, 2]], 0))
+
+
+def test_projector_pre_norm_is_fused_into_the_gather(tmp_path):
+    torch.manual_seed(0)
+    model = KimiK25VisionEncoder(MoonViT3dConfig.tiny()).eval()
+    compiled = torch.compile(model, backend="kimi_cg", options={"debug_dir": str(tmp_path)})
+    with torch.no_grad():
+        for seed, grid in enumerate([[[1, 4, 6], [3, 2, 8]], [[2, 8, 4], [1, 2, 2]]]):
+            pixel_values, grid_tensor = make_inputs(grid, seed)
+            assert_same_outputs(compiled(pixel_values, grid_tensor), model(pixel_values, grid_tensor))
+    last = sorted(p for p in tmp_path.iterdir() if p.name.startswith("graph_"))[-1]
+    code = "\n".join(l for l in (last / "device_program.py").read_text().splitlines() if not l.strip().startswith("#"))
+    assert "merge_gather_layernorm" in code
+    assert code.count("layer_norm(") == 2 * MoonViT3dConfig.tiny().num_hidden_layers + 1  # blocks + final, not pre_norm

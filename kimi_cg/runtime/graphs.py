@@ -35,6 +35,7 @@ from kimi_cg.device_program import DeviceProgram
 logger = logging.getLogger(__name__)
 
 _MERGE_GATHER = torch.ops.kimi_cg.merge_gather
+_MERGE_GATHER_LAYERNORM = torch.ops.kimi_cg.merge_gather_layernorm
 _VARLEN = torch.ops.kimi_cg.varlen_attention
 
 
@@ -62,9 +63,9 @@ def input_rules(program: DeviceProgram, kinds: list[str]) -> list[InputRule]:
             rules.append(InputRule("size"))
         else:
             uses = {(_packet(user.target), user.args.index(node)) for user in node.users if node in user.args}
-            if (_MERGE_GATHER, 1) in uses:
+            if (_MERGE_GATHER, 1) in uses or (_MERGE_GATHER_LAYERNORM, 1) in uses:
                 rules.append(InputRule("plan_index"))
-            elif (_MERGE_GATHER, 2) in uses:
+            elif (_MERGE_GATHER, 2) in uses or (_MERGE_GATHER_LAYERNORM, 2) in uses:
                 rules.append(InputRule("plan_weight"))
             elif (_VARLEN, 3) in uses:
                 rules.append(InputRule("cu_seqlens"))
