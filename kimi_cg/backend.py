@@ -14,7 +14,7 @@ import os
 import torch
 
 from kimi_cg import capture
-from kimi_cg.canonicalize import FuseGatherLayerNormPass, MergeGatherPass, SegmentAttentionPass
+from kimi_cg.canonicalize import FuseGatherLayerNormPass, MergeGatherPass, RealRopePass, SegmentAttentionPass
 from kimi_cg.config import KimiCGConfig
 from kimi_cg.counters import counters
 from kimi_cg.device_program import get_device_program
@@ -52,6 +52,7 @@ def kimi_cg_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | No
         SegmentAttentionPass(debug_dir)(gm)
         MergeGatherPass(debug_dir)(gm)
         FuseGatherLayerNormPass(debug_dir)(gm)
+        RealRopePass(debug_dir)(gm)
         lifted = split(gm, inputs)
     except UnsupportedGraphError:
         if config.strict:

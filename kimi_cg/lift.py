@@ -190,7 +190,7 @@ def classify(gm: torch.fx.GraphModule, inputs: list[GraphInput]) -> dict[torch.f
     return categories
 
 
-_SINKABLE_VIEWS = {"unsqueeze", "view", "reshape", "transpose", "permute", "squeeze", "expand", "flatten"}
+_SINKABLE_VIEWS = {"unsqueeze", "view", "reshape", "transpose", "permute", "squeeze", "expand", "flatten", "select"}
 
 
 def _sink_host_views(graph: torch.fx.Graph, categories: dict[torch.fx.Node, Category]) -> None:
@@ -199,8 +199,7 @@ def _sink_host_views(graph: torch.fx.Graph, categories: dict[torch.fx.Node, Cate
     for node in reversed(list(graph.nodes)):
         if categories.get(node) is not Category.HOST or node.op != "call_method" or node.target not in _SINKABLE_VIEWS:
             continue
-        tensor_inputs = node.all_input_nodes
-        if len(tensor_inputs) != 1 or not isinstance(example_value(tensor_inputs[0]), torch.Tensor):
+        if len(node.all_input_nodes) != 1:  # a tensor method whose other arguments are literals
             continue
         if node.users and all(categories.get(user) is Category.DEVICE for user in node.users):
             categories[node] = Category.DEVICE

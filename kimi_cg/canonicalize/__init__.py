@@ -10,6 +10,7 @@ Invariants every pass keeps (see docs/design.md):
 from kimi_cg.canonicalize.base import GraphPass
 from kimi_cg.canonicalize.fuse_gather_layernorm import FuseGatherLayerNormPass
 from kimi_cg.canonicalize.merge_gather import MergeGatherPass
+from kimi_cg.canonicalize.real_rope import RealRopePass
 from kimi_cg.canonicalize.segment_attention import SegmentAttentionPass
 
-__all__ = ["FuseGatherLayerNormPass", "GraphPass", "MergeGatherPass", "SegmentAttentionPass"]
+__all__ = ["FuseGatherLayerNormPass", "GraphPass", "MergeGatherPass", "RealRopePass", "SegmentAttentionPass"]
