@@ -62,12 +62,6 @@ def structural_hash(gm: torch.fx.GraphModule, shape_free_inputs: frozenset[int] 
 class DeviceProgram:
     """One device program and its compiled callable."""
 
-    def __init__(self, gm: torch.fx.GraphModule, key: str, compiler: str):
-        self.gm = gm
-        self.key = key
-        self.compiler = compiler
-        self._compiled = None
-
     def __init__(self, gm: torch.fx.GraphModule, key: str, compiler: str, host_inputs: frozenset[int] = frozenset()):
         self.gm = gm
         self.key = key

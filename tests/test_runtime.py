@@ -13,6 +13,14 @@ from kimi_cg.models import KimiK25VisionEncoder, KimiVLVisionEncoder, MoonViT3dC
 OPTIONS = {"cuda_graphs": True, "token_budgets": [256, 1024, 2048], "max_items": 4}
 
 
+def assert_matches_eager(compiled, model, grid, seed):
+    pixel_values, grid_tensor = inputs(grid, seed)
+    got, want = compiled(pixel_values, grid_tensor), model(pixel_values, grid_tensor)
+    assert [g.shape for g in got] == [w.shape for w in want]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
 def inputs(grid, seed):
     grid_tensor = torch.tensor(grid)
     generator = torch.Generator().manual_seed(seed)
@@ -35,12 +43,7 @@ def test_bucketed_path_matches_eager_splits_and_falls_back(build, grids):
     compiled = torch.compile(model, backend="kimi_cg", options=OPTIONS)
     with torch.no_grad():
         for seed, grid in enumerate(grids):
-            pixel_values, grid_tensor = inputs(grid, seed)
-            got, want = compiled(pixel_values, grid_tensor), model(pixel_values, grid_tensor)
-            assert len(got) == len(want)
-            for g, w in zip(got, want):
-                assert g.shape == w.shape
-                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+            assert_matches_eager(compiled, model, grid, seed)
     # [[64, 64]] (4096 patches, one item) exceeds the largest bucket: the non-graphed program runs.
     # Five items exceed max_items=4: the call is split into replays of 4 and 1 whole items.
     assert kimi_cg.counters["eager_fallbacks"] == 1
@@ -127,9 +130,7 @@ def test_inductor_device_program_compiles_once_for_all_buckets():
     compiled = torch.compile(model, backend="kimi_cg", options=options)
     with torch.no_grad():
         for seed, grid in enumerate([[[1, 2, 2]], [[1, 4, 6], [2, 2, 8]], [[3, 6, 4], [1, 8, 2]], [[1, 16, 16], [4, 4, 2]], [[1, 2, 2], [1, 2, 2], [2, 4, 4]]]):
-            pixel_values, grid_tensor = inputs(grid, seed)
-            for got, want in zip(compiled(pixel_values, grid_tensor), model(pixel_values, grid_tensor)):
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            assert_matches_eager(compiled, model, grid, seed)
     assert kimi_cg.counters["device_programs_compiled"] == 2  # eager (static first trace) + one Inductor program
     assert kimi_cg.counters["eager_fallbacks"] == 0
 
@@ -140,10 +141,6 @@ def test_split_keeps_item_order_and_runs_an_oversized_item_unsplit():
     compiled = torch.compile(model, backend="kimi_cg", options=OPTIONS)
     with torch.no_grad():
         for seed, grid in enumerate([[[2, 2]], [[4, 4], [2, 2]], [[40, 40], [2, 6], [30, 30], [4, 4]], [[4, 2], [64, 64], [2, 2]]]):
-            pixel_values, grid_tensor = inputs(grid, seed)
-            got, want = compiled(pixel_values, grid_tensor), model(pixel_values, grid_tensor)
-            assert [g.shape for g in got] == [w.shape for w in want]
-            for g, w in zip(got, want):
-                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+            assert_matches_eager(compiled, model, grid, seed)
     assert kimi_cg.counters["split_calls"] == 2
     assert kimi_cg.counters["eager_fallbacks"] == 1  # the 64x64 item alone

@@ -327,7 +327,8 @@ class MergeGatherPass(GraphPass):
                 graph.erase_node(node)
 
         exits = [node for node in region if any(user not in in_region for user in node.users)]
-        last = max(region, key=lambda n: list(graph.nodes).index(n))
+        order = {node: i for i, node in enumerate(graph.nodes)}
+        last = max(region, key=order.__getitem__)
         with graph.inserting_after(last):
             plan = graph.call_function(pack_rows, ([host[e] for e in exits],))
         with graph.inserting_after(plan):

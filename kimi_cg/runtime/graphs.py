@@ -104,18 +104,18 @@ class BucketedGraphs:
 
     def choose(self, inputs) -> int | None:
         """The smallest bucket this call fits, or None (then the caller runs the plain program)."""
-        patches = self._patches(inputs)
-        for i, rule in enumerate(self.rules):
-            value = inputs[i]
+        rows = self._patches(inputs)
+        needed = rows
+        for rule, value in zip(self.rules, inputs):
             if rule.kind == "cu_seqlens" and value.shape[0] > self.max_segments:
                 return None
             if rule.kind in ("plan_index", "plan_weight"):
                 if value.shape[1] > self.max_frames:
                     return None
-                patches = max(patches, value.shape[0])
-            if rule.kind == "rows" and value.shape[0] != self._patches(inputs):
+                needed = max(needed, value.shape[0])
+            if rule.kind == "rows" and value.shape[0] != rows:
                 return None  # host metadata that is not row-aligned with the patches
-        return next((c for c in self.capacities if c >= patches), None)
+        return next((c for c in self.capacities if c >= needed), None)
 
     def split(self, inputs) -> list[list] | None:
         """NOTE [splitting]: a call too large for the largest bucket (or with too many items) becomes

@@ -27,13 +27,13 @@ def live_runners() -> list["LiftedRunner"]:
 class LiftedRunner:
     """The callable kimi_cg returns to dynamo for one graph."""
 
-    def __init__(self, lifted: LiftedGraph, host: HostProgram, device: DeviceProgram, device_type_index: int | None,
+    def __init__(self, lifted: LiftedGraph, host: HostProgram, device: DeviceProgram, activation_index: int | None,
                  graphs_for=None):
         self.lifted = lifted
         self.host = host
         self.device = device
         # Host tensors consumed by the device program move to the activations' device.
-        self.activation_index = device_type_index
+        self.activation_index = activation_index
         self.host_refs = lifted.host.inputs
         self.device_refs = lifted.device.inputs
         self.post_refs = lifted.post.inputs
