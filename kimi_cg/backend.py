@@ -14,7 +14,7 @@ import os
 import torch
 
 from kimi_cg import capture
-from kimi_cg.canonicalize import FuseGatherLayerNormPass, MergeGatherPass, RealRopePass, SegmentAttentionPass
+from kimi_cg.canonicalize import FuseGatherLayerNormPass, MergeGatherPass, RealRopePass, SegmentAttentionPass, SeparableResizePass
 from kimi_cg.config import KimiCGConfig
 from kimi_cg.counters import counters
 from kimi_cg.device_program import get_device_program
@@ -49,6 +49,7 @@ def kimi_cg_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | No
         logger.info("kimi_cg: graph %d has no activation/grid inputs; running it unchanged", graph_id)
         return gm.forward
     try:
+        SeparableResizePass(debug_dir)(gm)
         SegmentAttentionPass(debug_dir)(gm)
         MergeGatherPass(debug_dir)(gm)
         FuseGatherLayerNormPass(debug_dir)(gm)

@@ -1,18 +1,21 @@
 """Benchmarks: kimi_cg against eager (and optionally torch.compile) in one process, on the H200.
 
-    python scripts/bench.py --out docs/bench/latest.json                 # eager + kimi_cg, all workloads
+    python scripts/bench.py --out docs/bench/latest.json      # eager, seed_style, kimi_cg; all workloads
     python scripts/bench.py --systems eager,inductor,inductor_reduce_overhead,seed_style,kimi_cg --workloads W1
 
 Real Kimi-VL config (27 layers, hidden 1152, bf16, random weights); W4_3d uses MoonViT3d.
 Workloads (fixed seeds):
   W1  one 448x448 image (32x32 patches)        W2  eight mixed images (7896 patches)
   W3  one 128x128-patch image                  W4  100 requests of 1-8 images, h, w even in [8, 64]:
-  every system first gets the same 10 other requests (warm-up), then W4 is timed in one pass,
-  compile stalls included; W4_repeat is a second pass (sizes seen); W4_3d is W4 on MoonViT3d with
-  20% video chunks (t in 2..4).
+  every system first gets the same 10 other requests (warm-up; between them they use each item
+  count 1..8 once, as a serving start-up pass would; their sizes are drawn from another seed), then
+  W4 is timed in one pass, compile stalls included; W4_repeat is a second pass (sizes seen); W4_3d
+  is W4 on MoonViT3d with 20% video chunks (t in 2..4). A pass stops once --stream-budget-s is
+  spent (torch.compile recompiles for minutes) and its result says "truncated".
 Times are wall-clock per call with CUDA synchronisation before and after (end to end, host pass
 included). For kimi_cg, W1 also reports replay-only time (CUDA events around graph.replay()) and
-host overhead (end to end minus replay).
+host overhead (end to end minus replay) and a cProfile of its host side. The torch.compile systems
+run under dynamo's stock settings (class StockDynamo). Results are written to --out after each one.
 """
 
 from __future__ import annotations
@@ -49,6 +52,25 @@ def request_stream(seed: int, count: int, video_fraction: float = 0.0):
     return stream
 
 
+def warmup_stream(seed: int, count: int = 10, video_fraction: float = 0.0):
+    """The warm-up every system gets: `count` requests that between them use each item count 1..8
+    once (as a serving engine's start-up pass would), sizes drawn like W4's but from another seed."""
+    rng = random.Random(seed)
+    counts = list(range(1, 9)) + [rng.randint(1, 8) for _ in range(count - 8)]
+    rng.shuffle(counts)
+    stream = []
+    for n in counts:
+        items = []
+        for _ in range(n):
+            h, w = 2 * rng.randint(4, 32), 2 * rng.randint(4, 32)
+            if video_fraction:
+                items.append([rng.randint(2, 4) if rng.random() < video_fraction else 1, h, w])
+            else:
+                items.append([h, w])
+        stream.append(items)
+    return stream
+
+
 def make_inputs(grid, seed: int, dtype=torch.bfloat16):
     grid_tensor = torch.tensor(grid)
     rows = int(grid_tensor.prod(-1).sum())
@@ -77,15 +99,51 @@ def summarize(times_ms: list[float], warmup_s: float, compiles: int) -> dict:
     }
 
 
+def host_profile(system, grid, calls: int = 200, top: int = 18) -> list[str]:
+    """cProfile of `calls` warm calls (the host side of an end-to-end call), top functions by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    pixels, grid_tensor = make_inputs(grid, 1)
+    profiler = cProfile.Profile()
+    with torch.no_grad():
+        system(pixels, grid_tensor)
+        torch.cuda.synchronize()
+        profiler.enable()
+        for _ in range(calls):
+            system(pixels, grid_tensor)
+        torch.cuda.synchronize()
+        profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    return [line for line in text.getvalue().splitlines() if line.strip()]
+
+
+class StockDynamo:
+    """Runs a torch.compile'd model under dynamo's stock settings: kimi_cg's backend module changes
+    three of them process-wide when it is loaded (NOTE [dynamo settings] in kimi_cg/capture.py), and
+    the torch.compile baselines must get what users get without kimi_cg."""
+
+    SETTINGS = {"capture_scalar_outputs": False, "capture_dynamic_output_shape_ops": False, "recompile_limit": 8}
+
+    def __init__(self, compiled):
+        self.compiled = compiled
+
+    def __call__(self, *args):
+        with torch._dynamo.config.patch(**self.SETTINGS):
+            return self.compiled(*args)
+
+
 def build_system(name: str, model, device_compiler: str = "auto"):
     if name == "eager":
         return model
     if name == "kimi_cg":
         return torch.compile(model, backend="kimi_cg", options={"device_compiler": device_compiler})
     if name == "inductor":
-        return torch.compile(model)
+        return StockDynamo(torch.compile(model))
     if name == "inductor_reduce_overhead":
-        return torch.compile(model, mode="reduce-overhead")
+        return StockDynamo(torch.compile(model, mode="reduce-overhead"))
     if name == "seed_style":
         from kimi_cg.baselines.seed_style import SeedStyleMoonVit
 
@@ -146,7 +204,17 @@ def run_fixed(system, grid, repeats: int, seed: int) -> tuple[list[float], float
     return times, warmup
 
 
-def run_stream(system, warmup_stream, stream, seed: int) -> tuple[list[float], list[float], float]:
+def timed_pass(system, prepared, budget_s: float) -> list[float]:
+    """Per-call times over the stream; stops early (the result says so) once `budget_s` is spent."""
+    times, start = [], time.perf_counter()
+    for args in prepared:
+        times.append(timed_call(system, *args))
+        if time.perf_counter() - start > budget_s:
+            break
+    return times
+
+
+def run_stream(system, warmup_stream, stream, seed: int, budget_s: float, repeat: bool = True):
     with torch.no_grad():
         start = time.perf_counter()
         for i, grid in enumerate(warmup_stream):
@@ -154,17 +222,19 @@ def run_stream(system, warmup_stream, stream, seed: int) -> tuple[list[float], l
         torch.cuda.synchronize()
         warmup = time.perf_counter() - start
         prepared = [make_inputs(grid, seed + 1000 + i) for i, grid in enumerate(stream)]
-        first = [timed_call(system, *args) for args in prepared]
-        second = [timed_call(system, *args) for args in prepared]
+        first = timed_pass(system, prepared, budget_s)
+        second = timed_pass(system, prepared, budget_s) if repeat else []
     return first, second, warmup
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--systems", default="eager,kimi_cg")
+    parser.add_argument("--systems", default="eager,seed_style,kimi_cg")
     parser.add_argument("--workloads", default="W1,W2,W3,W4,W4_3d")
     parser.add_argument("--requests", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--stream-budget-s", type=float, default=150.0,
+                        help="per system and pass: a W4 pass stops (marked truncated) once this is spent")
     parser.add_argument("--out", default=None)
     parser.add_argument("--device-compiler", default="auto", choices=["auto", "eager", "inductor"])
     args = parser.parse_args()
@@ -172,10 +242,35 @@ def main() -> None:
     workloads = args.workloads.split(",")
     results: dict = {}
     extras: dict = {}
+    command = "python scripts/bench.py " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k != "out")
+
+    def record(workload: str, name: str, summary: dict) -> None:
+        results.setdefault(workload, {})[name] = summary
+        print(f"{workload:<10} {name:<26} {json.dumps(summary)}", flush=True)
+        report = {
+            "machine": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "date": datetime.date.today().isoformat(),
+            "command": command,
+            "results": results,
+            "extras": extras,
+        }
+        if args.out:  # written after every result: a run cut short still leaves what it measured
+            os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=2)
+
+    def stream_summary(times, warmup, compiles, total):
+        summary = summarize(times, warmup, compiles)
+        if len(times) < total:
+            summary["truncated"] = f"{len(times)} of {total} requests within the {args.stream_budget_s:.0f} s budget"
+        return summary
+
     torch.manual_seed(0)
     vit = MoonVitPretrainedModel(MoonVitConfig()).cuda().to(torch.bfloat16).eval()
     stream = request_stream(seed=4, count=args.requests)
-    warm_stream = request_stream(seed=40, count=10)
+    warm_stream = warmup_stream(seed=40)
     for name in systems:
         torch._dynamo.reset()
         kimi_cg.reset()
@@ -185,28 +280,27 @@ def main() -> None:
                 continue
             before = compile_count(name, system)
             times, warmup = run_fixed(system, grid, args.repeats, seed=1)
-            results.setdefault(workload, {})[name] = summarize(times, warmup, compile_count(name, system) - before)
+            summary = summarize(times, warmup, compile_count(name, system) - before)
             if name != "eager":
                 with torch.no_grad():
                     pixels, grid_tensor = make_inputs(grid, 1)
                     got, want = system(pixels, grid_tensor), vit(pixels, grid_tensor)
                     num = sum(float((g.float() - w.float()).norm() ** 2) for g, w in zip(got, want)) ** 0.5
                     den = sum(float(w.float().norm() ** 2) for w in want) ** 0.5
-                    extras[f"{workload}_{name}_rel_err_vs_eager"] = num / den
-                    print(f"{workload} {name} vs eager relative error {num / den:.2e}", flush=True)
+                    summary["rel_err_vs_eager"] = num / den
             if name == "kimi_cg" and workload == "W1":
                 replay = replay_only_ms(1024)
-                extras["W1_replay_only_ms"] = replay
-                extras["W1_host_overhead_ms"] = statistics.median(times) - replay if replay else None
-            print(f"{workload:<10} {name:<26} {json.dumps(results[workload][name])}", flush=True)
+                summary["replay_only_ms"] = replay
+                summary["host_overhead_ms"] = statistics.median(times) - replay if replay else None
+                extras["W1_kimi_cg_host_profile"] = host_profile(system, grid)
+            record(workload, name, summary)
         if "W4" in workloads:
             before = compile_count(name, system)
-            first, second, warmup = run_stream(system, warm_stream, stream, seed=100)
+            first, second, warmup = run_stream(system, warm_stream, stream, seed=100, budget_s=args.stream_budget_s)
             after_first = compile_count(name, system)
-            results.setdefault("W4", {})[name] = summarize(first, warmup, after_first - before)
-            results.setdefault("W4_repeat", {})[name] = summarize(second, 0.0, compile_count(name, system) - after_first)
-            for key in ("W4", "W4_repeat"):
-                print(f"{key:<10} {name:<26} {json.dumps(results[key][name])}", flush=True)
+            record("W4", name, stream_summary(first, warmup, after_first - before, len(stream)))
+            record("W4_repeat", name, stream_summary(second, 0.0, compile_count(name, system) - after_first, len(stream)))
+            extras[f"W4_{name}_times_ms"] = first
         if name == "kimi_cg":
             extras["graph_memory_bytes"] = graph_memory_bytes()
             extras["kimi_cg_counters"] = dict(kimi_cg.counters)
@@ -217,7 +311,7 @@ def main() -> None:
         torch.manual_seed(0)
         vit3d = MoonViT3dPretrainedModel(MoonViT3dConfig()).cuda().to(torch.bfloat16).eval()
         stream3d = request_stream(seed=5, count=args.requests, video_fraction=0.2)
-        warm3d = request_stream(seed=50, count=10, video_fraction=0.2)
+        warm3d = warmup_stream(seed=50, video_fraction=0.2)
         for name in systems:
             torch._dynamo.reset()
             kimi_cg.reset()
@@ -225,25 +319,12 @@ def main() -> None:
                 continue  # the seeds run video chunks eagerly (a sentinel size); no graph-safe 3D path
             system = build_system(name, vit3d, args.device_compiler)
             before = compile_count(name, system)
-            first, _, warmup = run_stream(system, warm3d, stream3d, seed=200)
-            results.setdefault("W4_3d", {})[name] = summarize(first, warmup, compile_count(name, system) - before)
-            print(f"{'W4_3d':<10} {name:<26} {json.dumps(results['W4_3d'][name])}", flush=True)
+            first, _, warmup = run_stream(system, warm3d, stream3d, seed=200, budget_s=args.stream_budget_s, repeat=False)
+            extras[f"W4_3d_{name}_times_ms"] = first
             if name == "kimi_cg":
                 extras["W4_3d_kimi_cg_counters"] = dict(kimi_cg.counters)
-    report = {
-        "machine": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "date": datetime.date.today().isoformat(),
-        "command": "python scripts/bench.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items() if v is not None),
-        "results": results,
-        "extras": extras,
-    }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(text)
+            record("W4_3d", name, stream_summary(first, warmup, compile_count(name, system) - before, len(stream3d)))
+            del system
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ status=0
 python3 -P -m pytest -v -p no:cacheprovider --durations=10 tests/test_gpu.py tests/test_kernels.py tests/test_varlen_attention.py \
   > "$OUT/gpu_tests.txt" 2>&1 || status=1
 tail -15 "$OUT/gpu_tests.txt"
-python3 -P -m pytest -q -p no:cacheprovider -x --durations=5 tests/test_backend.py tests/test_runtime.py tests/test_models.py \
+python3 -P -m pytest -q -p no:cacheprovider --durations=5 tests/test_backend.py tests/test_runtime.py tests/test_models.py tests/test_resize.py tests/test_capture.py tests/test_seed_style.py \
   > "$OUT/core_tests.txt" 2>&1 || status=1
 tail -8 "$OUT/core_tests.txt"
 python3 - "$KIMI_CG_GPU_SUMMARY" <<'PY'
@@ -29,7 +29,8 @@ except FileNotFoundError:
 print(f"GPU summary ({data['device']}, torch {data['torch']}):")
 for case, s in data["cases"].items():
     c = s["counters"]
-    print(f"  {case}: {s['batches']} batches, worst rel err vs fp32 {s['worst_relative_error_vs_fp32']:.2e} "
+    print(f"  {case}: {s['batches']} batches ({s['distinct_grids']} distinct grids, {s['distinct_item_counts']} item counts, "
+          f"up to {s['max_patches_in_a_batch']} patches), worst rel err vs fp32 {s['worst_relative_error_vs_fp32']:.2e} "
           f"(<= {s['worst_error_ratio_vs_eager_bf16']:.2f}x eager bf16), dynamo graphs {c.get('dynamo_graphs')}, "
           f"device programs {c.get('device_programs_compiled')}, captures {c.get('captures', 0)}, "
           f"replays {c.get('graph_replays', 0)}, fallbacks {c.get('eager_fallbacks', 0)}, breaks {c.get('graph_breaks', 0)}")

@@ -2,6 +2,8 @@
 
 from kimi_cg.ops.varlen_attention import varlen_attention, varlen_attention_reference
 from kimi_cg.ops.merge_gather import merge_gather, merge_gather_layernorm
+from kimi_cg.ops.resize import bicubic_resize
 
 __all__ = ["varlen_attention", "varlen_attention_reference"]
 __all__ += ["merge_gather", "merge_gather_layernorm"]
+__all__ += ["bicubic_resize"]

@@ -1,0 +1,77 @@
+"""Bicubic resize as two small matrix products: ``torch.ops.kimi_cg.bicubic_resize``.
+
+    x:        [N, C, H, W]  float32 / bfloat16 / float16
+    returns   [N, C, h, w]  x.dtype, equal to ``F.interpolate(x, size=(h, w), mode="bicubic")``
+              (align_corners=False, no antialias) up to float rounding
+
+Why: the towers resize the learned 64x64 position grid to every image's (h, w). ATen's bicubic
+kernel parallelises over output pixels and loops over the 1152 channels, 5-10 ms per image on the
+H200 (design brief, section 4). Bicubic resizing is separable: out[c] = A_h @ x[c] @ A_w^T, with
+A_h [h, H] and A_w [w, W] holding each output position's four cubic-convolution taps (A = -0.75,
+half-pixel centres, taps clamped to the border, so a clamped tap adds its weight to the border
+column). Both matrices depend only on (H, h) and (W, w): they are built once in float64 on the host
+and cached; the products run in float32 on x's device (microseconds) and round once to x.dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+_CUBIC_A = -0.75
+
+
+@functools.lru_cache(maxsize=512)
+def _resize_matrix_cpu(in_size: int, out_size: int) -> torch.Tensor:
+    """[out_size, in_size] float64: row o holds the bicubic weights of output position o."""
+    if in_size <= 0 or out_size <= 0:
+        raise ValueError(f"bicubic resize needs positive sizes, got {in_size} -> {out_size}")
+    scale = in_size / out_size
+    out = torch.arange(out_size, dtype=torch.float64)
+    source = (out + 0.5) * scale - 0.5  # half-pixel centres; not clamped for cubic
+    base = torch.floor(source)
+    t = source - base
+    a = _CUBIC_A
+    # Cubic convolution weights of the taps at base-1, base, base+1, base+2.
+    weights = torch.stack([
+        ((a * (t + 1) - 5 * a) * (t + 1) + 8 * a) * (t + 1) - 4 * a,
+        ((a + 2) * t - (a + 3)) * t * t + 1,
+        ((a + 2) * (1 - t) - (a + 3)) * (1 - t) * (1 - t) + 1,
+        ((a * (2 - t) - 5 * a) * (2 - t) + 8 * a) * (2 - t) - 4 * a,
+    ], dim=1)
+    taps = (base.long().unsqueeze(1) + torch.arange(-1, 3).unsqueeze(0)).clamp(0, in_size - 1)
+    matrix = torch.zeros(out_size, in_size, dtype=torch.float64)
+    matrix.scatter_add_(1, taps, weights)
+    return matrix
+
+
+_DEVICE_MATRICES: dict = {}
+
+
+def resize_matrix(in_size: int, out_size: int, device: torch.device) -> torch.Tensor:
+    """The float32 resize matrix on `device` (cached per sizes and device)."""
+    key = (in_size, out_size, str(device))
+    matrix = _DEVICE_MATRICES.get(key)
+    if matrix is None:
+        matrix = _resize_matrix_cpu(in_size, out_size).to(device=device, dtype=torch.float32)
+        if len(_DEVICE_MATRICES) > 1024:
+            _DEVICE_MATRICES.clear()
+        _DEVICE_MATRICES[key] = matrix
+    return matrix
+
+
+@torch.library.custom_op("kimi_cg::bicubic_resize", mutates_args=())
+def bicubic_resize(x: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    if x.dim() != 4:
+        raise ValueError(f"bicubic_resize expects [N, C, H, W], got shape {tuple(x.shape)}")
+    rows = resize_matrix(x.shape[2], height, x.device)
+    cols = resize_matrix(x.shape[3], width, x.device)
+    # [N, C, H, W] -> [N, C, h, W] -> [N, C, h, w], both products in float32.
+    resized = torch.matmul(torch.matmul(rows, x.float()), cols.t())
+    return resized.to(x.dtype)
+
+
+@bicubic_resize.register_fake
+def _(x, height, width):
+    return x.new_empty((x.shape[0], x.shape[1], height, width))
