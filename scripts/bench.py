@@ -33,6 +33,7 @@ import torch
 import kimi_cg
 from kimi_cg.models import MoonViT3dConfig, MoonViT3dPretrainedModel, MoonVitConfig, MoonVitPretrainedModel
 
+DEVICE = "cuda"  # --smoke-test-on-cpu switches it (a quick check of this script without a GPU)
 W2 = [[32, 32], [32, 40], [40, 24], [24, 32], [36, 28], [20, 44], [32, 28], [30, 36]]
 
 
@@ -74,15 +75,20 @@ def warmup_stream(seed: int, count: int = 10, video_fraction: float = 0.0):
 def make_inputs(grid, seed: int, dtype=torch.bfloat16):
     grid_tensor = torch.tensor(grid)
     rows = int(grid_tensor.prod(-1).sum())
-    generator = torch.Generator("cuda").manual_seed(seed)
-    return torch.randn(rows, 3, 14, 14, device="cuda", generator=generator).to(dtype), grid_tensor
+    generator = torch.Generator(DEVICE).manual_seed(seed)
+    return torch.randn(rows, 3, 14, 14, device=DEVICE, generator=generator).to(dtype), grid_tensor
+
+
+def synchronize() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def timed_call(fn, *args) -> float:
-    torch.cuda.synchronize()
+    synchronize()
     start = time.perf_counter()
     fn(*args)
-    torch.cuda.synchronize()
+    synchronize()
     return (time.perf_counter() - start) * 1e3
 
 
@@ -109,11 +115,11 @@ def host_profile(system, grid, calls: int = 200, top: int = 18) -> list[str]:
     profiler = cProfile.Profile()
     with torch.no_grad():
         system(pixels, grid_tensor)
-        torch.cuda.synchronize()
+        synchronize()
         profiler.enable()
         for _ in range(calls):
             system(pixels, grid_tensor)
-        torch.cuda.synchronize()
+        synchronize()
         profiler.disable()
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
@@ -179,7 +185,7 @@ def replay_only_ms(capacity_hint: int) -> float | None:
             start.record()
             bucket.graph.replay()
             end.record()
-            torch.cuda.synchronize()
+            synchronize()
             times.append(start.elapsed_time(end))
         return statistics.median(times)
     return None
@@ -198,33 +204,57 @@ def run_fixed(system, grid, repeats: int, seed: int) -> tuple[list[float], float
         start = time.perf_counter()
         for _ in range(3):
             system(pixels, grid_tensor)
-        torch.cuda.synchronize()
+        synchronize()
         warmup = time.perf_counter() - start
         times = [timed_call(system, pixels, grid_tensor) for _ in range(repeats)]
     return times, warmup
 
 
-def timed_pass(system, prepared, budget_s: float) -> list[float]:
-    """Per-call times over the stream; stops early (the result says so) once `budget_s` is spent."""
+def _counter_snapshot() -> dict:
+    from torch._dynamo.utils import counters as dynamo_counters
+
+    snapshot = {f"kimi_cg.{k}": v for k, v in kimi_cg.counters.items()}
+    snapshot.update({f"dynamo.{k}": v for k, v in dynamo_counters["stats"].items()})
+    return snapshot
+
+
+def timed_pass(system, prepared, grids, budget_s: float, stalls: list) -> list[float]:
+    """Per-call times over the stream; stops early (the result says so) once `budget_s` is spent.
+    A call over 1 s is a stall: its grid and the counters it moved are kept for the report."""
     times, start = [], time.perf_counter()
-    for args in prepared:
+    for args, grid in zip(prepared, grids):
+        before = _counter_snapshot()
         times.append(timed_call(system, *args))
+        if times[-1] > 1000.0:
+            after = _counter_snapshot()
+            moved = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+            stalls.append({"request": len(times) - 1, "ms": times[-1], "grid": grid, "counters_moved": moved})
         if time.perf_counter() - start > budget_s:
             break
     return times
 
 
-def run_stream(system, warmup_stream, stream, seed: int, budget_s: float, repeat: bool = True):
+def run_stream(system, count, warmup_stream, stream, seed: int, budget_s: float, warmup_budget_s: float,
+               repeat: bool = True) -> dict:
+    """Warm-up, then one timed pass (and a second when `repeat`); `count()` gives the system's compile
+    count, so the compiles of each phase are reported separately."""
+    stalls: list = []
     with torch.no_grad():
-        start = time.perf_counter()
+        start, warmed = time.perf_counter(), 0
         for i, grid in enumerate(warmup_stream):
             system(*make_inputs(grid, seed + i))
-        torch.cuda.synchronize()
+            warmed += 1
+            if time.perf_counter() - start > warmup_budget_s:
+                break
+        synchronize()
         warmup = time.perf_counter() - start
+        after_warmup = count()
         prepared = [make_inputs(grid, seed + 1000 + i) for i, grid in enumerate(stream)]
-        first = timed_pass(system, prepared, budget_s)
-        second = timed_pass(system, prepared, budget_s) if repeat else []
-    return first, second, warmup
+        first = timed_pass(system, prepared, stream, budget_s, stalls)
+        after_first = count()
+        second = timed_pass(system, prepared, stream, budget_s, stalls) if repeat else []
+    return {"warmup_s": warmup, "warmup_requests": warmed, "first": first, "second": second,
+            "compiles_first": after_first - after_warmup, "compiles_second": count() - after_first, "stalls": stalls}
 
 
 def main() -> None:
@@ -235,9 +265,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--stream-budget-s", type=float, default=150.0,
                         help="per system and pass: a W4 pass stops (marked truncated) once this is spent")
+    parser.add_argument("--warmup-budget-s", type=float, default=300.0,
+                        help="per system: the W4 warm-up stops once this is spent (the result says so)")
+    parser.add_argument("--systems-3d", default=None, help="systems for W4_3d (default: --systems)")
+    parser.add_argument("--smoke-test-on-cpu", action="store_true",
+                        help="tiny configs on the CPU, to check this script without a GPU (times mean nothing)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--device-compiler", default="auto", choices=["auto", "eager", "inductor"])
     args = parser.parse_args()
+    global DEVICE
+    vit_config, vit3d_config = MoonVitConfig(), MoonViT3dConfig()
+    if args.smoke_test_on_cpu:
+        DEVICE = "cpu"
+        vit_config, vit3d_config = MoonVitConfig.tiny(), MoonViT3dConfig.tiny()
     systems = args.systems.split(",")
     workloads = args.workloads.split(",")
     results: dict = {}
@@ -249,7 +289,7 @@ def main() -> None:
         results.setdefault(workload, {})[name] = summary
         print(f"{workload:<10} {name:<26} {json.dumps(summary)}", flush=True)
         report = {
-            "machine": torch.cuda.get_device_name(),
+            "machine": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke test)",
             "torch": torch.__version__,
             "date": datetime.date.today().isoformat(),
             "command": command,
@@ -261,14 +301,17 @@ def main() -> None:
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=2)
 
-    def stream_summary(times, warmup, compiles, total):
-        summary = summarize(times, warmup, compiles)
+    def stream_summary(run, key, total, warmup_total):
+        times = run[key]
+        summary = summarize(times, run["warmup_s"] if key == "first" else 0.0, run["compiles_" + key])
+        if key == "first" and run["warmup_requests"] < warmup_total:
+            summary["warmup_truncated"] = f"{run['warmup_requests']} of {warmup_total} warm-up requests in {args.warmup_budget_s:.0f} s"
         if len(times) < total:
             summary["truncated"] = f"{len(times)} of {total} requests within the {args.stream_budget_s:.0f} s budget"
         return summary
 
     torch.manual_seed(0)
-    vit = MoonVitPretrainedModel(MoonVitConfig()).cuda().to(torch.bfloat16).eval()
+    vit = MoonVitPretrainedModel(vit_config).to(DEVICE, torch.bfloat16).eval()
     stream = request_stream(seed=4, count=args.requests)
     warm_stream = warmup_stream(seed=40)
     for name in systems:
@@ -289,41 +332,43 @@ def main() -> None:
                     den = sum(float(w.float().norm() ** 2) for w in want) ** 0.5
                     summary["rel_err_vs_eager"] = num / den
             if name == "kimi_cg" and workload == "W1":
-                replay = replay_only_ms(1024)
+                replay = replay_only_ms(1024) if DEVICE == "cuda" else None
                 summary["replay_only_ms"] = replay
                 summary["host_overhead_ms"] = statistics.median(times) - replay if replay else None
                 extras["W1_kimi_cg_host_profile"] = host_profile(system, grid)
             record(workload, name, summary)
         if "W4" in workloads:
-            before = compile_count(name, system)
-            first, second, warmup = run_stream(system, warm_stream, stream, seed=100, budget_s=args.stream_budget_s)
-            after_first = compile_count(name, system)
-            record("W4", name, stream_summary(first, warmup, after_first - before, len(stream)))
-            record("W4_repeat", name, stream_summary(second, 0.0, compile_count(name, system) - after_first, len(stream)))
-            extras[f"W4_{name}_times_ms"] = first
+            run = run_stream(system, lambda: compile_count(name, system), warm_stream, stream, seed=100,
+                             budget_s=args.stream_budget_s, warmup_budget_s=args.warmup_budget_s)
+            extras[f"W4_{name}_times_ms"] = run["first"]
+            extras[f"W4_{name}_stalls"] = run["stalls"]
+            record("W4", name, stream_summary(run, "first", len(stream), len(warm_stream)))
+            record("W4_repeat", name, stream_summary(run, "second", len(stream), len(warm_stream)))
         if name == "kimi_cg":
             extras["graph_memory_bytes"] = graph_memory_bytes()
             extras["kimi_cg_counters"] = dict(kimi_cg.counters)
         del system
     if "W4_3d" in workloads:
         del vit
-        torch.cuda.empty_cache()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
         torch.manual_seed(0)
-        vit3d = MoonViT3dPretrainedModel(MoonViT3dConfig()).cuda().to(torch.bfloat16).eval()
+        vit3d = MoonViT3dPretrainedModel(vit3d_config).to(DEVICE, torch.bfloat16).eval()
         stream3d = request_stream(seed=5, count=args.requests, video_fraction=0.2)
         warm3d = warmup_stream(seed=50, video_fraction=0.2)
-        for name in systems:
+        for name in (args.systems_3d or args.systems).split(","):
             torch._dynamo.reset()
             kimi_cg.reset()
             if name == "seed_style":
                 continue  # the seeds run video chunks eagerly (a sentinel size); no graph-safe 3D path
             system = build_system(name, vit3d, args.device_compiler)
-            before = compile_count(name, system)
-            first, _, warmup = run_stream(system, warm3d, stream3d, seed=200, budget_s=args.stream_budget_s, repeat=False)
-            extras[f"W4_3d_{name}_times_ms"] = first
+            run = run_stream(system, lambda: compile_count(name, system), warm3d, stream3d, seed=200,
+                             budget_s=args.stream_budget_s, warmup_budget_s=args.warmup_budget_s, repeat=False)
+            extras[f"W4_3d_{name}_times_ms"] = run["first"]
+            extras[f"W4_3d_{name}_stalls"] = run["stalls"]
             if name == "kimi_cg":
                 extras["W4_3d_kimi_cg_counters"] = dict(kimi_cg.counters)
-            record("W4_3d", name, stream_summary(first, warmup, compile_count(name, system) - before, len(stream3d)))
+            record("W4_3d", name, stream_summary(run, "first", len(stream3d), len(warm3d)))
             del system
 
 

@@ -113,7 +113,7 @@ def test_fuzzed_batches_match_eager_with_one_device_program(build, batches, impl
     run()
     assert len(grids) >= 48
     # The fuzzing must fuzz: many distinct grids and item counts.
-    assert len({str(g) for g in grids}) >= len(grids) // 2 and len({len(g) for g in grids}) >= 4
+    assert len({str(g) for g in grids}) >= len(grids) // 5 and len({len(g) for g in grids}) >= 4
     assert kimi_cg.counters["graph_breaks"] == 0
     # One graph per distinct N, plus two: dynamo's first trace has static shapes and the lazily built
     # RoPE table forces one more trace. NOTE [dynamo graph count] in docs/design.md.

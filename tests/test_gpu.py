@@ -101,7 +101,8 @@ def test_graph_replays_match_eager_bf16(tower, size, count):
     counters = dict(kimi_cg.counters)
     distinct_counts = len({len(g) for g in grids})
     assert len(grids) >= count
-    assert len({str(g) for g in grids}) >= len(grids) // 2 and distinct_counts >= 4  # the fuzzing fuzzes
+    # The fuzzing fuzzes (hypothesis repeats its simplest grids often: 93 of 300 distinct in one run).
+    assert len({str(g) for g in grids}) >= len(grids) // 5 and distinct_counts >= 6
     assert counters.get("graph_breaks", 0) == 0
     assert counters["dynamo_graphs"] <= distinct_counts + 2  # NOTE [dynamo graph count]
     assert counters["device_programs_compiled"] == warm[0]["device_programs_compiled"]  # none after warm-up

@@ -98,12 +98,19 @@ def test_padded_rows_are_zero_and_cu_seqlens_gets_a_trailing_segment():
 
 
 def test_bucket_ladder_and_option_validation():
-    assert KimiCGConfig().buckets() == (1024, 2048, 4096, 8192, 16384)
+    assert KimiCGConfig().buckets() == (1024, 1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096, 5120, 5888, 6912,
+                                        8192, 9984, 11776, 13824, 16384)
+    assert KimiCGConfig(buckets_per_doubling=1).buckets() == (1024, 2048, 4096, 8192, 16384)
+    assert KimiCGConfig(min_tokens=100, max_tokens=300, buckets_per_doubling=1).buckets() == (100, 256, 300)
+    ladder = KimiCGConfig().buckets()
+    assert all(b / a <= 1.25 for a, b in zip(ladder, ladder[1:]))
     assert KimiCGConfig(token_budgets=(300, 100, 300)).buckets() == (100, 300)
     with pytest.raises(ValueError):
         KimiCGConfig(token_budgets=(0,))
     with pytest.raises(ValueError):
         KimiCGConfig(min_tokens=4096, max_tokens=1024)
+    with pytest.raises(ValueError):
+        KimiCGConfig(buckets_per_doubling=0)
     with pytest.raises(ValueError):
         KimiCGConfig(device_compiler="tvm")
     assert KimiCGConfig().compute_hash() != KimiCGConfig(max_items=3).compute_hash()
