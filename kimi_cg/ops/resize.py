@@ -27,11 +27,14 @@ def _resize_matrix_cpu(in_size: int, out_size: int) -> torch.Tensor:
     """[out_size, in_size] float64: row o holds the bicubic weights of output position o."""
     if in_size <= 0 or out_size <= 0:
         raise ValueError(f"bicubic resize needs positive sizes, got {in_size} -> {out_size}")
-    scale = in_size / out_size
-    out = torch.arange(out_size, dtype=torch.float64)
+    # Source positions in float32, as ATen computes them (its scale is a float: with float64
+    # positions the weights differ by up to ~1e-5 after a large upsampling), weights in float64.
+    scale = torch.tensor(in_size / out_size, dtype=torch.float32)
+    out = torch.arange(out_size, dtype=torch.float32)
     source = (out + 0.5) * scale - 0.5  # half-pixel centres; not clamped for cubic
     base = torch.floor(source)
-    t = source - base
+    t = (source - base).double()
+    base = base.double()
     a = _CUBIC_A
     # Cubic convolution weights of the taps at base-1, base, base+1, base+2.
     weights = torch.stack([
