@@ -286,7 +286,8 @@ def main() -> None:
     results: dict = {}
     extras: dict = {}
     command = "python scripts/bench.py " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k != "out")
+        f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')} {v}"
+        for k, v in vars(args).items() if v is not None and v is not False and k != "out")
 
     def record(workload: str, name: str, summary: dict) -> None:
         results.setdefault(workload, {})[name] = summary

@@ -48,11 +48,18 @@ def main(path: str, out_dir: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for system in systems:
-        times = report.get("extras", {}).get(f"W4_{system}_times_ms")
+        entry = results.get("W4", {}).get(system)
+        extras = report.get("extras", {})
+        if entry is not None and "source" in entry:  # a merged report: the times are in the source run
+            source = report["runs"][entry["source"]]["file"]
+            extras = json.load(open(os.path.join(os.path.dirname(path), source))).get("extras", {})
+        times = extras.get(f"W4_{system}_times_ms")
         if not times:
             continue
         ordered = sorted(times)
-        ax.plot(ordered, [(k + 1) / len(ordered) for k in range(len(ordered))], label=system, drawstyle="steps-post")
+        label = system + (f" ({entry['truncated']})" if entry and entry.get("truncated") else "")
+        ax.plot(ordered, [(k + 1) / len(ordered) for k in range(len(ordered))], label=label, drawstyle="steps-post",
+                marker="o" if len(ordered) < 5 else None)
     ax.set_xscale("log")
     ax.set_xlabel("ms per request (W4 first pass, compile stalls included)")
     ax.set_ylabel("fraction of requests")
