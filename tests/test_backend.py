@@ -268,6 +268,20 @@ def test_backend_resolves_in_a_fresh_interpreter():
     assert result.stdout.strip() == "ok"
 
 
+def test_dynamic_true_matches_eager_without_a_static_first_graph():
+    torch.manual_seed(0)
+    model = MoonVitPretrainedModel(MoonVitConfig.tiny()).eval()
+    compiled = torch.compile(model, backend="kimi_cg", dynamic=True)
+    with torch.no_grad():
+        for seed, grid in enumerate([[[4, 6], [2, 8]], [[8, 4], [2, 2]], [[6, 6]], [[2, 64]]]):
+            pixel_values, grid_tensor = make_inputs(grid, seed)
+            assert_same_outputs(compiled(pixel_values, grid_tensor), model(pixel_values, grid_tensor))
+    # N = 2 twice (the lazily built RoPE table forces the second trace), then N = 1 once.
+    assert kimi_cg.counters["dynamo_graphs"] == 3
+    assert kimi_cg.counters["device_programs_compiled"] == 1  # no static first-shape program
+    assert kimi_cg.counters["graph_breaks"] == 0
+
+
 def test_unknown_option_is_rejected():
     compiled = torch.compile(MoonVitPretrainedModel(MoonVitConfig.tiny()), backend="kimi_cg", options={"no_such_option": 1})
     with pytest.raises(Exception, match="unknown kimi_cg options"):
