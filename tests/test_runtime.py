@@ -151,3 +151,27 @@ def test_split_keeps_item_order_and_runs_an_oversized_item_unsplit():
             assert_matches_eager(compiled, model, grid, seed)
     assert kimi_cg.counters["split_calls"] == 2
     assert kimi_cg.counters["eager_fallbacks"] == 1  # the 64x64 item alone
+
+
+@pytest.mark.parametrize("build, grid", [
+    (lambda: KimiVLVisionEncoder(MoonVitConfig.tiny()), [[20, 30], [30, 50], [10, 50], [28, 50]]),
+    (lambda: KimiK25VisionEncoder(MoonViT3dConfig.tiny()), [[1, 20, 30], [3, 10, 50], [1, 10, 50], [2, 14, 50]]),
+], ids=["kimi_vl", "kimi_k25_video"])
+def test_split_packs_sorted_items_and_restores_call_order(build, grid, monkeypatch):
+    """Patches 600, 1500, 500, 1400 with a largest bucket of 2048: call order needs 3 parts
+    ([600], [1500, 500], [1400]); first-fit decreasing needs 2 ([1500, 500], [1400, 600]), the
+    second out of call order, so the outputs must be put back item by item."""
+    from kimi_cg.runtime.graphs import BucketedGraphs
+
+    torch.manual_seed(0)
+    model = build().eval()
+    compiled = torch.compile(model, backend="kimi_cg", options=OPTIONS)
+    runs = []
+    original = BucketedGraphs.run
+    monkeypatch.setattr(BucketedGraphs, "run", lambda self, inputs, capacity: runs.append(capacity) or original(self, inputs, capacity))
+    with torch.no_grad():
+        for seed, g in enumerate([[row[:-2] + [2, 2] for row in grid[:1]], grid]):
+            runs.clear()
+            assert_matches_eager(compiled, model, g, seed)
+    assert kimi_cg.counters["split_calls"] == 1
+    assert runs == [2048, 2048]

@@ -74,6 +74,22 @@ def input_rules(program: DeviceProgram, kinds: list[str]) -> list[InputRule]:
     return rules
 
 
+@dataclasses.dataclass
+class SplitPlan:
+    """A call split into parts: each part's device inputs, its items (call indices, ascending) and,
+    per item, its patch rows and gather-plan rows (to put the parts' outputs back in call order)."""
+
+    pieces: list[list]
+    parts: list[list[int]]
+    patch_rows: list[int]
+    plan_rows: list[int]
+
+    @property
+    def in_call_order(self) -> bool:
+        flat = [item for part in self.parts for item in part]
+        return flat == sorted(flat)
+
+
 class _Bucket:
     def __init__(self, capacity: int):
         self.capacity = capacity
@@ -117,12 +133,13 @@ class BucketedGraphs:
                 return None  # host metadata that is not row-aligned with the patches
         return next((c for c in self.capacities if c >= needed), None)
 
-    def split(self, inputs) -> list[list] | None:
+    def split(self, inputs, sort: bool = True) -> "SplitPlan | None":
         """NOTE [splitting]: a call too large for the largest bucket (or with too many items) becomes
-        several calls of whole segments (items), packed greedily in call order up to the largest
-        bucket and ``max_items``. Each part's inputs are slices of the call's: rows of the patch
-        axis, its cu_seqlens rebased, the gather-plan rows that read its patches (rebased). Returns
-        None when the inputs do not decompose that way (then the whole call runs unsplit)."""
+        several calls of whole segments (items). With ``sort``, items are packed first-fit
+        decreasing by size into parts of at most the largest bucket and ``max_items`` items (fewer
+        replays, less padding); a part's inputs gather its items' rows, cu_seqlens, and gather-plan
+        rows (rebased). Without, items are packed greedily in call order and each part's inputs are
+        slices. Returns None when the inputs do not decompose into items (then the call runs unsplit)."""
         cu_positions = [i for i, r in enumerate(self.rules) if r.kind == "cu_seqlens"]
         if not cu_positions:
             return None
@@ -131,38 +148,73 @@ class BucketedGraphs:
             return None
         bounds = cu.tolist()
         patches = self._patches(inputs)
-        if bounds[0] != 0 or bounds[-1] != patches:
+        if bounds[0] != 0 or bounds[-1] != patches or any(b < a for a, b in zip(bounds, bounds[1:])):
             return None
-        largest, parts, start = max(self.capacities), [], 0
-        for segment in range(1, len(bounds)):
-            too_long = bounds[segment] - bounds[start] > largest and segment - 1 > start
-            too_many = segment - start > self.max_segments - 1
-            if too_long or too_many:
-                parts.append((start, segment - 1))
-                start = segment - 1
-        parts.append((start, len(bounds) - 1))
-        plan = self._plan_rows(inputs, [(bounds[a], bounds[b]) for a, b in parts])
+        items = len(bounds) - 1
+        plan = self._plan_rows(inputs, [(bounds[i], bounds[i + 1]) for i in range(items)])
         if plan is None:
             return None
-        pieces = []
-        for (first, last), (row_start, row_end), (plan_start, plan_end) in zip(parts, [(bounds[a], bounds[b]) for a, b in parts], plan):
-            piece = []
-            for rule, value in zip(self.rules, inputs):
-                if rule.kind == "static":
-                    piece.append(value)
-                elif rule.kind == "size":
-                    piece.append(row_end - row_start)
-                elif rule.kind == "rows":
-                    piece.append(value[row_start:row_end])
-                elif rule.kind == "cu_seqlens":
-                    piece.append(value[first : last + 1] - row_start)
-                elif rule.kind == "plan_index":
-                    rows = value[plan_start:plan_end]
-                    piece.append(torch.where(rows >= 0, rows - row_start, rows))
-                else:
-                    piece.append(value[plan_start:plan_end])
-            pieces.append(piece)
-        return pieces
+        patch_rows = [bounds[i + 1] - bounds[i] for i in range(items)]
+        plan_rows = [b - a for a, b in plan]
+        need = [max(p, q) for p, q in zip(patch_rows, plan_rows)]  # a bucket holds both (see choose)
+        largest, per_part = max(self.capacities), self.max_segments - 1
+        parts: list[list[int]] = []
+        loads: list[int] = []
+        for item in (sorted(range(items), key=lambda i: -need[i]) if sort else range(items)):
+            candidates = range(len(parts)) if sort else range(len(parts) - 1, len(parts))
+            home = next((p for p in candidates if loads[p] + need[item] <= largest and len(parts[p]) < per_part), None)
+            if home is None:
+                parts.append([])
+                loads.append(0)
+                home = len(parts) - 1
+            parts[home].append(item)
+            loads[home] += need[item]
+        for part in parts:
+            part.sort()  # call order inside a part: runs of neighbouring items stay slices
+        pieces = [self._part_inputs(inputs, part, bounds, plan) for part in parts]
+        return SplitPlan(pieces, parts, patch_rows, plan_rows)
+
+    def _part_inputs(self, inputs, part: list[int], bounds: list[int], plan: list[tuple[int, int]]) -> list:
+        runs = []  # maximal runs of consecutive items: (first, last)
+        for item in part:
+            if runs and runs[-1][1] == item - 1:
+                runs[-1][1] = item
+            else:
+                runs.append([item, item])
+        row_runs = [(bounds[a], bounds[b + 1]) for a, b in runs]
+        plan_runs = [(plan[a][0], plan[b][1]) for a, b in runs]
+        offsets, total = [], 0  # where each run's rows start in the part
+        for a, b in row_runs:
+            offsets.append(total)
+            total += b - a
+
+        def gather(value, ranges):
+            chunks = [value[a:b] for a, b in ranges]
+            return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+
+        piece = []
+        for rule, value in zip(self.rules, inputs):
+            if rule.kind == "static":
+                piece.append(value)
+            elif rule.kind == "size":
+                piece.append(total)
+            elif rule.kind == "rows":
+                piece.append(gather(value, row_runs))
+            elif rule.kind == "cu_seqlens":
+                lengths = [bounds[i + 1] - bounds[i] for i in part]
+                cumulative = [0]
+                for length in lengths:
+                    cumulative.append(cumulative[-1] + length)
+                piece.append(torch.tensor(cumulative, dtype=value.dtype, device=value.device))
+            elif rule.kind == "plan_index":
+                chunks = []
+                for (a, b), (row_start, _), offset in zip(plan_runs, row_runs, offsets):
+                    rows = value[a:b]
+                    chunks.append(torch.where(rows >= 0, rows - row_start + offset, rows))
+                piece.append(chunks[0] if len(chunks) == 1 else torch.cat(chunks))
+            else:
+                piece.append(gather(value, plan_runs))
+        return piece
 
     def _plan_rows(self, inputs, row_ranges) -> list[tuple[int, int]] | None:
         """For each part's patch rows [a, b), the block of gather-plan rows that reads them."""

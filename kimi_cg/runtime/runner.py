@@ -81,22 +81,59 @@ class LiftedRunner:
         return self.device(*device_args)
 
     def _run_split(self, device_args):
-        """NOTE [splitting] in runtime/graphs.py: several replays of whole items, outputs concatenated."""
-        parts = self.graphs.split(device_args)
-        if parts is None or len(parts) < 2:
+        """NOTE [splitting] in runtime/graphs.py: several replays of whole items, outputs put back in
+        call order. Sorted packing needs every output to be row-wise over items in proportion to
+        their patches or gather-plan rows; otherwise the call is packed in call order."""
+        plan = self.graphs.split(device_args)
+        if plan is None or len(plan.pieces) < 2:
             return None
         full_rows = self.device.output_rows(device_args)
-        part_rows = [self.device.output_rows(part) for part in parts]
+        part_rows = [self.device.output_rows(piece) for piece in plan.pieces]
+        per_item = self._rows_per_item(plan, full_rows)
+        consistent = per_item is not None and all(
+            sum(per_item[j][i] for i in part) == rows[j] for part, rows in zip(plan.parts, part_rows) for j in range(len(rows)))
+        if not consistent and not plan.in_call_order:
+            plan = self.graphs.split(device_args, sort=False)
+            if plan is None or len(plan.pieces) < 2:
+                return None
+            part_rows = [self.device.output_rows(piece) for piece in plan.pieces]
         for j, rows in enumerate(full_rows):  # outputs must be row-wise over items to concatenate
             if rows is None or sum(p[j] for p in part_rows) != rows:
                 return None
         counters["split_calls"] += 1
         results = []
-        for part in parts:
-            capacity = self.graphs.choose(part)
+        for piece in plan.pieces:
+            capacity = self.graphs.choose(piece)
             if capacity is None:
                 counters["eager_fallbacks"] += 1  # one item larger than the largest bucket
-                results.append(tuple(self.device(*part)))
+                results.append(tuple(self.device(*piece)))
             else:
-                results.append(self.graphs.run(part, capacity))
-        return tuple(torch.cat(pieces) for pieces in zip(*results))
+                results.append(self.graphs.run(piece, capacity))
+        if plan.in_call_order:
+            return tuple(torch.cat(pieces) for pieces in zip(*results))
+        outputs = []
+        for j in range(len(full_rows)):
+            chunks = {}
+            for part, result in zip(plan.parts, results):
+                for item, chunk in zip(part, torch.split(result[j], [per_item[j][i] for i in part])):
+                    chunks[item] = chunk
+            outputs.append(torch.cat([chunks[i] for i in range(len(chunks))]))
+        return tuple(outputs)
+
+    @staticmethod
+    def _rows_per_item(plan, full_rows) -> list[list[int]] | None:
+        """Per output, each item's rows: proportional to its patch rows or its gather-plan rows
+        (the merger's [R/4, 4D] view divides the latter by 4). None when an output is neither."""
+        result = []
+        for rows in full_rows:
+            if rows is None:
+                return None
+            candidates = []
+            for unit in (plan.patch_rows, plan.plan_rows):
+                total = sum(unit)
+                if total and all((u * rows) % total == 0 for u in unit):
+                    candidates.append([u * rows // total for u in unit])
+            if not candidates or any(c != candidates[0] for c in candidates):
+                return None  # neither, or ambiguous: never guess an order
+            result.append(candidates[0])
+        return result
