@@ -2,11 +2,12 @@
 
 ``torch.compile(model, backend="kimi_cg")`` finds the backend through the ``torch_dynamo_backends``
 entry point; importing this package is not required. ``kimi_cg.counters`` and ``kimi_cg.reset()``
-are the public observability surface. See README.md and docs/design.md.
+are the public observability surface; ``kimi_cg.warm_up`` traces every item count before serving. See README.md and docs/design.md.
 """
 
 from kimi_cg.counters import counters, reset
 from kimi_cg.errors import InvalidInputError, KimiCGError, UnsupportedGraphError
+from kimi_cg.warmup import warm_up
 
 __version__ = "0.1.0"
-__all__ = ["counters", "reset", "InvalidInputError", "KimiCGError", "UnsupportedGraphError"]
+__all__ = ["counters", "reset", "warm_up", "InvalidInputError", "KimiCGError", "UnsupportedGraphError"]

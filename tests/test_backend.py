@@ -282,6 +282,36 @@ def test_dynamic_true_matches_eager_without_a_static_first_graph():
     assert kimi_cg.counters["graph_breaks"] == 0
 
 
+@pytest.mark.parametrize("build, item", [
+    (lambda: MoonVitPretrainedModel(MoonVitConfig.tiny()), [2, 2]),
+    (lambda: MoonViT3dPretrainedModel(MoonViT3dConfig.tiny()), [1, 2, 2]),
+], ids=["moonvit", "moonvit3d"])
+def test_warm_up_traces_every_item_count_so_serving_never_compiles(build, item):
+    torch.manual_seed(0)
+    model = build().eval()
+    compiled = torch.compile(model, backend="kimi_cg")
+    pixel_values, grid_tensor = make_inputs([item], seed=0)
+    report = kimi_cg.warm_up(compiled, pixel_values, grid_tensor, max_items=4)
+    assert report["calls"] == 5 and report["dynamo_graphs"] == kimi_cg.counters["dynamo_graphs"] <= 4 + 2
+    traced = kimi_cg.counters["dynamo_graphs"]
+    grids = [[[4, 6], [2, 8]], [[8, 4]], [[6, 6], [2, 10], [4, 4], [2, 2]], [[10, 2], [2, 4], [6, 2]]]
+    with torch.no_grad():
+        for seed, grid in enumerate(grids):
+            grid = [[1 + seed % 3, h, w] for h, w in grid] if len(item) == 3 else grid
+            pixel_values, grid_tensor = make_inputs(grid, seed)
+            assert_same_outputs(compiled(pixel_values, grid_tensor), model(pixel_values, grid_tensor))
+    assert kimi_cg.counters["dynamo_graphs"] == traced  # no request compiled
+
+
+def test_warm_up_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="grid tensor"):
+        kimi_cg.warm_up(lambda *a: None, torch.zeros(4, 3, 14, 14), torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="first item needs 16"):
+        kimi_cg.warm_up(lambda *a: None, torch.zeros(4, 3, 14, 14), torch.tensor([[4, 4]]))
+    with pytest.raises(ValueError, match="max_items"):
+        kimi_cg.warm_up(lambda *a: None, torch.zeros(4, 3, 14, 14), torch.tensor([[2, 2]]), max_items=0)
+
+
 def test_unknown_option_is_rejected():
     compiled = torch.compile(MoonVitPretrainedModel(MoonVitConfig.tiny()), backend="kimi_cg", options={"no_such_option": 1})
     with pytest.raises(Exception, match="unknown kimi_cg options"):

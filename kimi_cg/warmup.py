@@ -1,0 +1,44 @@
+"""``kimi_cg.warm_up``: trace every item count once before serving, so that no request compiles.
+
+Dynamo unrolls a tower's per-item loop, so each number of items N in a call is one dynamo trace
+(4-7 s of host time for the real Kimi-VL tower on the H200 machine; NOTE [dynamo graph count] in
+docs/design.md). Everything else is shared between the traces: one device program, one set of
+bucket graphs. A serving engine calls ``warm_up`` once at start-up with one example item; it runs
+batches of 1..max_items copies of that item (tiny compute), in the order 1, 2, 1, 3, 4, ...: the
+first trace of a frame is static in the patch count, so count 1 is traced again once the count
+has become dynamic. The first batch that fits a bucket also captures every bucket.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kimi_cg.counters import counters
+
+
+def warm_up(model, pixel_values: torch.Tensor, grid: torch.Tensor, max_items: int = 8) -> dict:
+    """Run ``model`` (compiled with backend="kimi_cg") on 1..max_items copies of the first item of
+    (pixel_values, grid); returns what it cost: {"seconds", "calls", "dynamo_graphs"}.
+
+    ``grid`` is the tower's grid tensor ([N, 2] (h, w) or [N, 3] (t, h, w)); the item's pixel rows
+    are the first prod(grid[0]) rows of ``pixel_values``.
+    """
+    if not isinstance(grid, torch.Tensor) or grid.dim() != 2 or grid.shape[0] < 1:
+        raise ValueError(f"warm_up needs a grid tensor of shape [N >= 1, 2 or 3]; got {getattr(grid, 'shape', grid)!r}")
+    if not isinstance(max_items, int) or max_items < 1:
+        raise ValueError(f"max_items must be a positive int; got {max_items!r}")
+    rows = int(grid[0].prod())
+    if pixel_values.shape[0] < rows:
+        raise ValueError(f"pixel_values has {pixel_values.shape[0]} rows; the first item needs {rows}")
+    item_pixels, item_grid = pixel_values[:rows], grid[:1]
+    counts = [1, 2, 1, *range(3, max_items + 1)] if max_items > 1 else [1]
+    before, start = counters["dynamo_graphs"], time.perf_counter()
+    with torch.no_grad():
+        for count in counts:
+            model(item_pixels.repeat(count, *([1] * (item_pixels.dim() - 1))), item_grid.repeat(count, 1))
+    if item_pixels.is_cuda:
+        torch.cuda.synchronize(item_pixels.device)
+    return {"seconds": time.perf_counter() - start, "calls": len(counts),
+            "dynamo_graphs": counters["dynamo_graphs"] - before}
