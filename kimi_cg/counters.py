@@ -24,5 +24,7 @@ def reset() -> None:
     """Zero every counter and forget every cached program and metadata entry."""
     counters.clear()
     from kimi_cg import device_program
+    from kimi_cg.ops import resize
 
     device_program.clear_program_cache()
+    resize.clear_matrix_cache()

@@ -49,7 +49,12 @@ def _resize_matrix_cpu(in_size: int, out_size: int) -> torch.Tensor:
     return matrix
 
 
-_DEVICE_MATRICES: dict = {}
+_DEVICE_MATRICES: dict = {}  # (in, out, device) -> float32 matrix; bounded, dropped by kimi_cg.reset()
+
+
+def clear_matrix_cache() -> None:
+    _DEVICE_MATRICES.clear()
+    _resize_matrix_cpu.cache_clear()
 
 
 def resize_matrix(in_size: int, out_size: int, device: torch.device) -> torch.Tensor:
