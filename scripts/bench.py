@@ -221,13 +221,54 @@ def _counter_snapshot() -> dict:
     return snapshot
 
 
-def timed_pass(system, prepared, grids, budget_s: float, stalls: list) -> list[float]:
+class ReplayTimer:
+    """--replay-breakdown: CUDA events around every ``torch.cuda.CUDAGraph.replay`` in the process
+    (kimi_cg's and seed_style's graphs), so a stream's end-to-end time splits into replay and the
+    rest (host pass, copies, non-graphed work)."""
+
+    active: "ReplayTimer | None" = None
+
+    def __init__(self):
+        self.events = []
+        self.original = None
+
+    def __enter__(self):
+        self.original = original = torch.cuda.CUDAGraph.replay
+        events = self.events
+
+        def replay(graph):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            original(graph)
+            end.record()
+            events.append((start, end))
+
+        torch.cuda.CUDAGraph.replay = replay
+        ReplayTimer.active = self
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.CUDAGraph.replay = self.original
+        ReplayTimer.active = None
+
+    def take_ms(self) -> float:
+        """Replay time since the last take (the caller has synchronised)."""
+        total = sum(start.elapsed_time(end) for start, end in self.events)
+        self.events.clear()
+        return total
+
+
+def timed_pass(system, prepared, grids, budget_s: float, stalls: list, replays: list | None = None) -> list[float]:
     """Per-call times over the stream; stops early (the result says so) once `budget_s` is spent.
     A call over 1 s is a stall: its grid and the counters it moved are kept for the report."""
     times, start = [], time.perf_counter()
     for args, grid in zip(prepared, grids):
         before = _counter_snapshot()
+        if ReplayTimer.active is not None:
+            ReplayTimer.active.take_ms()  # drop replays from outside this call
         times.append(timed_call(system, *args))
+        if ReplayTimer.active is not None and replays is not None:
+            replays.append(ReplayTimer.active.take_ms())
         if times[-1] > 1000.0:
             after = _counter_snapshot()
             moved = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
@@ -253,10 +294,11 @@ def run_stream(system, count, warmup_stream, stream, seed: int, budget_s: float,
         warmup = time.perf_counter() - start
         after_warmup = count()
         prepared = [make_inputs(grid, seed + 1000 + i) for i, grid in enumerate(stream)]
-        first = timed_pass(system, prepared, stream, budget_s, stalls)
+        replays = {"first": [], "second": []}
+        first = timed_pass(system, prepared, stream, budget_s, stalls, replays["first"])
         after_first = count()
-        second = timed_pass(system, prepared, stream, budget_s, stalls) if repeat else []
-    return {"warmup_s": warmup, "warmup_requests": warmed, "first": first, "second": second,
+        second = timed_pass(system, prepared, stream, budget_s, stalls, replays["second"]) if repeat else []
+    return {"warmup_s": warmup, "warmup_requests": warmed, "first": first, "second": second, "replays": replays,
             "compiles_first": after_first - after_warmup, "compiles_second": count() - after_first, "stalls": stalls}
 
 
@@ -272,6 +314,8 @@ def main() -> None:
                         help="torch.compile systems only: the W4 warm-up stops once this is spent (the result says so)")
     parser.add_argument("--kimi-cg-warm-up", action="store_true",
                         help="call kimi_cg.warm_up (item counts 1..8) before anything else; its cost goes to extras")
+    parser.add_argument("--replay-breakdown", action="store_true",
+                        help="CUDA events around every graph replay: W4 results split into replay and the rest")
     parser.add_argument("--systems-3d", default=None, help="systems for W4_3d (default: --systems)")
     parser.add_argument("--smoke-test-on-cpu", action="store_true",
                         help="tiny configs on the CPU, to check this script without a GPU (times mean nothing)")
@@ -315,11 +359,17 @@ def main() -> None:
         summary = summarize(times, run["warmup_s"] if key == "first" else 0.0, run["compiles_" + key])
         if key == "first" and run["warmup_requests"] < warmup_total:
             summary["warmup_truncated"] = f"{run['warmup_requests']} of {warmup_total} warm-up requests in {args.warmup_budget_s:.0f} s"
+        replays = run["replays"][key]
+        if replays and any(replays):  # --replay-breakdown
+            summary["replay_mean_ms"] = statistics.fmean(replays)
+            summary["rest_mean_ms"] = statistics.fmean(t - r for t, r in zip(times, replays))
         if len(times) < total:
             summary["truncated"] = f"{len(times)} of {total} requests within the {args.stream_budget_s:.0f} s budget"
         return summary
 
     torch.manual_seed(0)
+    if args.replay_breakdown and DEVICE == "cuda":
+        ReplayTimer().__enter__()  # for the whole process
     vit = MoonVitPretrainedModel(vit_config).to(DEVICE, torch.bfloat16).eval()
     stream = request_stream(seed=4, count=args.requests)
     warm_stream = warmup_stream(seed=40)
