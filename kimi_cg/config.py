@@ -79,15 +79,15 @@ class KimiCGConfig:
         max_tokens (buckets_per_doubling steps per doubling, rounded up to multiples of 256)."""
         if self.token_budgets is not None:
             return self.token_budgets
-        ladder, step = [], 0
-        while True:
-            size = self.min_tokens * 2 ** (step / self.buckets_per_doubling)
-            size = min(self.max_tokens, -(-int(round(size)) // 256) * 256 if step else self.min_tokens)
-            if not ladder or size > ladder[-1]:
+        ladder = [self.min_tokens]
+        step = 1
+        while ladder[-1] < self.max_tokens:
+            size = round(self.min_tokens * 2 ** (step / self.buckets_per_doubling))
+            size = min(self.max_tokens, -(-size // 256) * 256)  # rounded up to a multiple of 256
+            if size > ladder[-1]:
                 ladder.append(size)
-            if size >= self.max_tokens:
-                return tuple(ladder)
             step += 1
+        return tuple(ladder)
 
     @classmethod
     def from_options(cls, options: dict[str, Any] | None) -> "KimiCGConfig":

@@ -15,15 +15,12 @@ and cached; the products run in float32 on x's device (microseconds) and round o
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 _CUBIC_A = -0.75
 
 
-@functools.lru_cache(maxsize=512)
-def _resize_matrix_cpu(in_size: int, out_size: int) -> torch.Tensor:
+def _resize_matrix_float64(in_size: int, out_size: int) -> torch.Tensor:
     """[out_size, in_size] float64: row o holds the bicubic weights of output position o."""
     if in_size <= 0 or out_size <= 0:
         raise ValueError(f"bicubic resize needs positive sizes, got {in_size} -> {out_size}")
@@ -54,7 +51,6 @@ _DEVICE_MATRICES: dict = {}  # (in, out, device) -> float32 matrix; bounded, dro
 
 def clear_matrix_cache() -> None:
     _DEVICE_MATRICES.clear()
-    _resize_matrix_cpu.cache_clear()
 
 
 def resize_matrix(in_size: int, out_size: int, device: torch.device) -> torch.Tensor:
@@ -62,7 +58,7 @@ def resize_matrix(in_size: int, out_size: int, device: torch.device) -> torch.Te
     key = (in_size, out_size, str(device))
     matrix = _DEVICE_MATRICES.get(key)
     if matrix is None:
-        matrix = _resize_matrix_cpu(in_size, out_size).to(device=device, dtype=torch.float32)
+        matrix = _resize_matrix_float64(in_size, out_size).to(device=device, dtype=torch.float32)
         if len(_DEVICE_MATRICES) > 1024:
             _DEVICE_MATRICES.clear()
         _DEVICE_MATRICES[key] = matrix

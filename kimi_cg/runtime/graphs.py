@@ -23,6 +23,7 @@ the padding and slicing logic; only the capture itself needs a GPU).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 
@@ -188,8 +189,7 @@ class BucketedGraphs:
             offsets.append(total)
             total += b - a
 
-        def gather(value, ranges):
-            chunks = [value[a:b] for a, b in ranges]
+        def concat(chunks):
             return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
         piece = []
@@ -199,21 +199,15 @@ class BucketedGraphs:
             elif rule.kind == "size":
                 piece.append(total)
             elif rule.kind == "rows":
-                piece.append(gather(value, row_runs))
+                piece.append(concat([value[a:b] for a, b in row_runs]))
             elif rule.kind == "cu_seqlens":
-                lengths = [bounds[i + 1] - bounds[i] for i in part]
-                cumulative = [0]
-                for length in lengths:
-                    cumulative.append(cumulative[-1] + length)
-                piece.append(torch.tensor(cumulative, dtype=value.dtype, device=value.device))
-            elif rule.kind == "plan_index":
-                chunks = []
-                for (a, b), (row_start, _), offset in zip(plan_runs, row_runs, offsets):
-                    rows = value[a:b]
-                    chunks.append(torch.where(rows >= 0, rows - row_start + offset, rows))
-                piece.append(chunks[0] if len(chunks) == 1 else torch.cat(chunks))
+                cumulative = itertools.accumulate((bounds[i + 1] - bounds[i] for i in part), initial=0)
+                piece.append(torch.tensor(list(cumulative), dtype=value.dtype, device=value.device))
+            elif rule.kind == "plan_index":  # rebased: a run's first patch row moves to its offset in the part
+                piece.append(concat([torch.where(value[a:b] >= 0, value[a:b] - row_start + offset, value[a:b])
+                                     for (a, b), (row_start, _), offset in zip(plan_runs, row_runs, offsets)]))
             else:
-                piece.append(gather(value, plan_runs))
+                piece.append(concat([value[a:b] for a, b in plan_runs]))
         return piece
 
     def _plan_rows(self, inputs, row_ranges) -> list[tuple[int, int]] | None:
