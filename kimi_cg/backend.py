@@ -10,13 +10,14 @@ from __future__ import annotations
 import logging
 import operator
 import os
+import time
 
 import torch
 
 from kimi_cg import capture
 from kimi_cg.canonicalize import FuseGatherLayerNormPass, MergeGatherPass, RealRopePass, SegmentAttentionPass, SeparableResizePass
 from kimi_cg.config import KimiCGConfig
-from kimi_cg.counters import counters
+from kimi_cg.counters import counters, timings
 from kimi_cg.device_program import get_device_program
 from kimi_cg.errors import UnsupportedGraphError
 from kimi_cg.host_program import HostProgram
@@ -38,7 +39,14 @@ def _resolve_compiler(config: KimiCGConfig, example_inputs) -> str:
 
 
 def kimi_cg_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None, mode: str | None = None, **_):
-    config = KimiCGConfig.from_options(options)
+    start = time.perf_counter()
+    try:
+        return _compile_graph(gm, example_inputs, KimiCGConfig.from_options(options))
+    finally:
+        timings["backend"] += time.perf_counter() - start
+
+
+def _compile_graph(gm: torch.fx.GraphModule, example_inputs, config: KimiCGConfig):
     counters["dynamo_graphs"] += 1
     graph_id = counters["dynamo_graphs"]
     debug_dir = os.path.join(config.debug_dir, f"graph_{graph_id:03d}") if config.debug_dir else None

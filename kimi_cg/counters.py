@@ -11,6 +11,14 @@ Keys (missing keys read as 0):
   graph_replays, captures     CUDA-graph replays and captures (CUDA runtime)
   eager_fallbacks             calls or items that ran the non-graphed device program
   split_calls                 calls too large for one replay, run as several replays of whole items
+
+``timings`` (seconds, host wall clock, accumulated) says where compile-time cost goes:
+  backend                     in the backend per dynamo graph (passes, lift, host program), without
+                              the device compile below
+  device_compile              compiling device programs (Inductor), at their first call
+  capture                     allocating and capturing bucket graphs (their two warm-up runs included,
+                              and with them Triton's loading of the compiled kernels)
+The rest of a first call (dynamo's trace of the model, AOT tracing) is its total minus these.
 """
 
 from __future__ import annotations
@@ -18,11 +26,13 @@ from __future__ import annotations
 import collections
 
 counters: collections.Counter[str] = collections.Counter()
+timings: collections.Counter[str] = collections.Counter()
 
 
 def reset() -> None:
     """Zero every counter and forget every cached program and metadata entry."""
     counters.clear()
+    timings.clear()
     from kimi_cg import device_program
     from kimi_cg.ops import resize
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 
 import sympy
 
@@ -16,7 +17,7 @@ import torch
 import torch.fx
 
 from kimi_cg.capture import example_value
-from kimi_cg.counters import counters
+from kimi_cg.counters import counters, timings
 from kimi_cg.errors import UnsupportedGraphError
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,9 @@ class DeviceProgram:
 
     def __call__(self, *inputs):
         if self._compiled is None:
+            start = time.perf_counter()
             self._compiled = self._compile(inputs)
+            timings["device_compile"] += time.perf_counter() - start
         return self._compiled(*inputs)
 
     def _compile(self, inputs):

@@ -6,7 +6,8 @@ docs/design.md). Everything else is shared between the traces: one device progra
 bucket graphs. A serving engine calls ``warm_up`` once at start-up with one example item; it runs
 batches of 1..max_items copies of that item (tiny compute), in the order 1, 2, 1, 3, 4, ...: the
 first trace of a frame is static in the patch count, so count 1 is traced again once the count
-has become dynamic. The first batch that fits a bucket also captures every bucket.
+has become dynamic, with an item twice as tall (the same item would pass the static graph's
+guards and trace nothing). The first batch that fits a bucket also captures every bucket.
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ import time
 
 import torch
 
-from kimi_cg.counters import counters
+from kimi_cg.counters import counters, timings
 
 
 def warm_up(model, pixel_values: torch.Tensor, grid: torch.Tensor, max_items: int = 8) -> dict:
     """Run ``model`` (compiled with backend="kimi_cg") on 1..max_items copies of the first item of
-    (pixel_values, grid); returns what it cost: {"seconds", "calls", "dynamo_graphs"}.
+    (pixel_values, grid); returns what it cost: {"seconds", "calls", "dynamo_graphs", "breakdown_s"},
+    where breakdown_s splits the seconds into kimi_cg's backend, device compile, capture and the
+    rest (dynamo's tracing and the runs themselves; see ``kimi_cg.timings``).
 
     ``grid`` is the tower's grid tensor ([N, 2] (h, w) or [N, 3] (t, h, w)); the item's pixel rows
     are the first prod(grid[0]) rows of ``pixel_values``.
@@ -33,12 +36,21 @@ def warm_up(model, pixel_values: torch.Tensor, grid: torch.Tensor, max_items: in
     if pixel_values.shape[0] < rows:
         raise ValueError(f"pixel_values has {pixel_values.shape[0]} rows; the first item needs {rows}")
     item_pixels, item_grid = pixel_values[:rows], grid[:1]
-    counts = [1, 2, 1, *range(3, max_items + 1)] if max_items > 1 else [1]
-    before, start = counters["dynamo_graphs"], time.perf_counter()
+    taller_grid = item_grid.clone()
+    taller_grid[0, -2] *= 2  # (h, w) -> (2h, w): twice the rows, still even for the patch merger
+    batches = [(1, item_grid), (2, item_grid), (1, taller_grid), *((n, item_grid) for n in range(3, max_items + 1))]
+    if max_items == 1:
+        batches = batches[:1]
+    repeat = [1] * (item_pixels.dim() - 1)
+    before, start, timed = counters["dynamo_graphs"], time.perf_counter(), dict(timings)
     with torch.no_grad():
-        for count in counts:
-            model(item_pixels.repeat(count, *([1] * (item_pixels.dim() - 1))), item_grid.repeat(count, 1))
+        for count, one_grid in batches:
+            copies = count * int(one_grid[0].prod()) // rows
+            model(item_pixels.repeat(copies, *repeat), one_grid.repeat(count, 1))
     if item_pixels.is_cuda:
         torch.cuda.synchronize(item_pixels.device)
-    return {"seconds": time.perf_counter() - start, "calls": len(counts),
-            "dynamo_graphs": counters["dynamo_graphs"] - before}
+    seconds = time.perf_counter() - start
+    breakdown = {key: timings[key] - timed.get(key, 0.0) for key in ("backend", "device_compile", "capture")}
+    breakdown["dynamo_and_runs"] = seconds - sum(breakdown.values())
+    return {"seconds": seconds, "calls": len(batches), "dynamo_graphs": counters["dynamo_graphs"] - before,
+            "breakdown_s": breakdown}

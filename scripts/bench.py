@@ -278,6 +278,40 @@ def timed_pass(system, prepared, grids, budget_s: float, stalls: list, replays: 
     return times
 
 
+def device_profile(system, requests: list, top: int = 12) -> dict:
+    """torch.profiler over warm calls of `requests` (a list of argument tuples): GPU kernel time per
+    request (kernels inside graph replays included), the wall time it took, and the kernels that
+    took the most time, grouped by name."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        for args in requests[:2]:
+            system(*args)
+        synchronize()
+        start = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for args in requests:
+                system(*args)
+            synchronize()
+        wall_ms = (time.perf_counter() - start) * 1e3
+    by_name: dict = {}
+    for event in prof.events():
+        if event.device_type != DeviceType.CUDA:
+            continue
+        total, count = by_name.get(event.name, (0.0, 0))
+        by_name[event.name] = (total + event.time_range.elapsed_us() / 1e3, count + 1)
+    kernel_ms = sum(total for total, _ in by_name.values())
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return {
+        "requests": len(requests),
+        "kernel_ms_per_request": kernel_ms / len(requests),
+        "wall_ms_per_request_under_profiler": wall_ms / len(requests),
+        "top_kernels": [{"name": name[:120], "ms_per_request": total / len(requests), "calls": count}
+                        for name, (total, count) in ranked],
+    }
+
+
 def run_stream(system, count, warmup_stream, stream, seed: int, budget_s: float, warmup_budget_s: float,
                repeat: bool = True) -> dict:
     """Warm-up, then one timed pass (and a second when `repeat`); `count()` gives the system's compile
@@ -316,6 +350,8 @@ def main() -> None:
                         help="call kimi_cg.warm_up (item counts 1..8) before anything else; its cost goes to extras")
     parser.add_argument("--replay-breakdown", action="store_true",
                         help="CUDA events around every graph replay: W4 results split into replay and the rest")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="after W4 (and W4_3d), torch.profiler over N of its requests per system: GPU kernel time and top kernels")
     parser.add_argument("--systems-3d", default=None, help="systems for W4_3d (default: --systems)")
     parser.add_argument("--smoke-test-on-cpu", action="store_true",
                         help="tiny configs on the CPU, to check this script without a GPU (times mean nothing)")
@@ -333,11 +369,14 @@ def main() -> None:
     extras: dict = {}
     command = "python scripts/bench.py " + " ".join(
         f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')} {v}"
-        for k, v in vars(args).items() if v is not None and v is not False and k != "out")
+        for k, v in vars(args).items() if v not in (None, False) and k != "out")
 
     def record(workload: str, name: str, summary: dict) -> None:
         results.setdefault(workload, {})[name] = summary
         print(f"{workload:<10} {name:<26} {json.dumps(summary)}", flush=True)
+        write_report()
+
+    def write_report() -> None:
         report = {
             "machine": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke test)",
             "torch": torch.__version__,
@@ -350,6 +389,14 @@ def main() -> None:
             os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=2)
+
+    def failed(part: str, name: str, error: Exception) -> None:
+        import traceback
+
+        text = traceback.format_exception(error)
+        print(f"{part:<10} {name:<26} FAILED: {type(error).__name__}: {str(error)[:500]}", flush=True)
+        extras.setdefault("errors", {})[f"{part} {name}"] = "".join(text[-4:])[-4000:]
+        write_report()
 
     def warmup_budget(name: str) -> float:  # only torch.compile's warm-up can run for many minutes
         return args.warmup_budget_s if name.startswith("inductor") else float("inf")
@@ -374,40 +421,48 @@ def main() -> None:
     stream = request_stream(seed=4, count=args.requests)
     warm_stream = warmup_stream(seed=40)
     for name in systems:
-        torch._dynamo.reset()
-        kimi_cg.reset()
-        system = build_system(name, vit, args.device_compiler)
-        if name == "kimi_cg" and args.kimi_cg_warm_up:
-            extras["kimi_cg_warm_up"] = kimi_cg.warm_up(system, *make_inputs([[16, 16]], 0), max_items=8)
-        for workload, grid in (("W1", [[32, 32]]), ("W2", W2), ("W3", [[128, 128]])):
-            if workload not in workloads:
-                continue
-            before = compile_count(name, system)
-            times, warmup = run_fixed(system, grid, args.repeats, seed=1)
-            summary = summarize(times, warmup, compile_count(name, system) - before)
-            if name != "eager":
-                with torch.no_grad():
-                    pixels, grid_tensor = make_inputs(grid, 1)
-                    got, want = system(pixels, grid_tensor), vit(pixels, grid_tensor)
-                    num = sum(float((g.float() - w.float()).norm() ** 2) for g, w in zip(got, want)) ** 0.5
-                    den = sum(float(w.float().norm() ** 2) for w in want) ** 0.5
-                    summary["rel_err_vs_eager"] = num / den
-            if name == "kimi_cg" and workload == "W1":
-                replay = replay_only_ms(1024) if DEVICE == "cuda" else None
-                summary["replay_only_ms"] = replay
-                summary["host_overhead_ms"] = statistics.median(times) - replay if replay else None
-                extras["W1_kimi_cg_host_profile"] = host_profile(system, grid)
-            record(workload, name, summary)
-        if "W4" in workloads:
-            run = run_stream(system, lambda: compile_count(name, system), warm_stream, stream, seed=100,
-                             budget_s=args.stream_budget_s, warmup_budget_s=warmup_budget(name))
-            extras[f"W4_{name}_times_ms"] = run["first"]
-            extras[f"W4_{name}_stalls"] = run["stalls"]
-            record("W4", name, stream_summary(run, "first", len(stream), len(warm_stream)))
-            record("W4_repeat", name, stream_summary(run, "second", len(stream), len(warm_stream)))
-        if name == "kimi_cg":
-            extras["graph_memory_bytes"] = graph_memory_bytes()
-            extras["kimi_cg_counters"] = dict(kimi_cg.counters)
+        try:
+            torch._dynamo.reset()
+            kimi_cg.reset()
+            system = build_system(name, vit, args.device_compiler)
+            if name == "kimi_cg" and args.kimi_cg_warm_up:
+                extras["kimi_cg_warm_up"] = kimi_cg.warm_up(system, *make_inputs([[16, 16]], 0), max_items=8)
+            for workload, grid in (("W1", [[32, 32]]), ("W2", W2), ("W3", [[128, 128]])):
+                if workload not in workloads:
+                    continue
+                before = compile_count(name, system)
+                times, warmup = run_fixed(system, grid, args.repeats, seed=1)
+                summary = summarize(times, warmup, compile_count(name, system) - before)
+                if name != "eager":
+                    with torch.no_grad():
+                        pixels, grid_tensor = make_inputs(grid, 1)
+                        got, want = system(pixels, grid_tensor), vit(pixels, grid_tensor)
+                        num = sum(float((g.float() - w.float()).norm() ** 2) for g, w in zip(got, want)) ** 0.5
+                        den = sum(float(w.float().norm() ** 2) for w in want) ** 0.5
+                        summary["rel_err_vs_eager"] = num / den
+                if name == "kimi_cg" and workload == "W1":
+                    replay = replay_only_ms(1024) if DEVICE == "cuda" else None
+                    summary["replay_only_ms"] = replay
+                    summary["host_overhead_ms"] = statistics.median(times) - replay if replay else None
+                    extras["W1_kimi_cg_host_profile"] = host_profile(system, grid)
+                record(workload, name, summary)
+            if "W4" in workloads:
+                run = run_stream(system, lambda: compile_count(name, system), warm_stream, stream, seed=100,
+                                 budget_s=args.stream_budget_s, warmup_budget_s=warmup_budget(name))
+                extras[f"W4_{name}_times_ms"] = run["first"]
+                extras[f"W4_{name}_stalls"] = run["stalls"]
+                if args.profile and DEVICE == "cuda":
+                    extras[f"W4_{name}_profile"] = device_profile(
+                        system, [make_inputs(grid, 100 + 1000 + i) for i, grid in enumerate(stream[:args.profile])])
+                record("W4", name, stream_summary(run, "first", len(stream), len(warm_stream)))
+                record("W4_repeat", name, stream_summary(run, "second", len(stream), len(warm_stream)))
+            if name == "kimi_cg":
+                extras["graph_memory_bytes"] = graph_memory_bytes()
+                extras["kimi_cg_counters"] = dict(kimi_cg.counters)
+                extras["kimi_cg_timings_s"] = dict(kimi_cg.timings)
+        except Exception as error:  # one system failing (torch.compile crashes) must not end the run
+            failed("W1-W4", name, error)
+            continue
         del system
     if "W4_3d" in workloads:
         del vit
@@ -418,20 +473,28 @@ def main() -> None:
         stream3d = request_stream(seed=5, count=args.requests, video_fraction=0.2)
         warm3d = warmup_stream(seed=50, video_fraction=0.2)
         for name in (args.systems_3d or args.systems).split(","):
-            torch._dynamo.reset()
-            kimi_cg.reset()
-            if name == "seed_style":
-                continue  # the seeds run video chunks eagerly (a sentinel size); no graph-safe 3D path
-            system = build_system(name, vit3d, args.device_compiler)
-            if name == "kimi_cg" and args.kimi_cg_warm_up:
-                extras["kimi_cg_warm_up_3d"] = kimi_cg.warm_up(system, *make_inputs([[1, 16, 16]], 0), max_items=8)
-            run = run_stream(system, lambda: compile_count(name, system), warm3d, stream3d, seed=200,
-                             budget_s=args.stream_budget_s, warmup_budget_s=warmup_budget(name), repeat=False)
-            extras[f"W4_3d_{name}_times_ms"] = run["first"]
-            extras[f"W4_3d_{name}_stalls"] = run["stalls"]
-            if name == "kimi_cg":
-                extras["W4_3d_kimi_cg_counters"] = dict(kimi_cg.counters)
-            record("W4_3d", name, stream_summary(run, "first", len(stream3d), len(warm3d)))
+            try:
+                torch._dynamo.reset()
+                kimi_cg.reset()
+                if name == "seed_style":
+                    continue  # the seeds run video chunks eagerly (a sentinel size); no graph-safe 3D path
+                system = build_system(name, vit3d, args.device_compiler)
+                if name == "kimi_cg" and args.kimi_cg_warm_up:
+                    extras["kimi_cg_warm_up_3d"] = kimi_cg.warm_up(system, *make_inputs([[1, 16, 16]], 0), max_items=8)
+                run = run_stream(system, lambda: compile_count(name, system), warm3d, stream3d, seed=200,
+                                 budget_s=args.stream_budget_s, warmup_budget_s=warmup_budget(name), repeat=False)
+                extras[f"W4_3d_{name}_times_ms"] = run["first"]
+                extras[f"W4_3d_{name}_stalls"] = run["stalls"]
+                if args.profile and DEVICE == "cuda":
+                    extras[f"W4_3d_{name}_profile"] = device_profile(
+                        system, [make_inputs(grid, 200 + 1000 + i) for i, grid in enumerate(stream3d[:args.profile])])
+                if name == "kimi_cg":
+                    extras["W4_3d_kimi_cg_counters"] = dict(kimi_cg.counters)
+                    extras["W4_3d_kimi_cg_timings_s"] = dict(kimi_cg.timings)
+                record("W4_3d", name, stream_summary(run, "first", len(stream3d), len(warm3d)))
+            except Exception as error:  # one system failing (torch.compile crashes) must not end the run
+                failed("W4_3d", name, error)
+                continue
             del system
 
 
