@@ -21,6 +21,7 @@ run under dynamo's stock settings (class StockDynamo). Results are written to --
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -303,12 +304,15 @@ def device_profile(system, requests: list, top: int = 12) -> dict:
         by_name[event.name] = (total + event.time_range.elapsed_us() / 1e3, count + 1)
     kernel_ms = sum(total for total, _ in by_name.values())
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    host = sorted((e for e in prof.key_averages() if e.self_cpu_time_total > 0), key=lambda e: -e.self_cpu_time_total)
     return {
         "requests": len(requests),
         "kernel_ms_per_request": kernel_ms / len(requests),
         "wall_ms_per_request_under_profiler": wall_ms / len(requests),
         "top_kernels": [{"name": name[:120], "ms_per_request": total / len(requests), "calls": count}
                         for name, (total, count) in ranked],
+        "top_host_ops": [{"name": e.key[:120], "self_cpu_ms_per_request": e.self_cpu_time_total / 1e3 / len(requests),
+                          "calls": e.count} for e in host[:top + 6]],
     }
 
 
@@ -352,6 +356,8 @@ def main() -> None:
                         help="CUDA events around every graph replay: W4 results split into replay and the rest")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="after W4 (and W4_3d), torch.profiler over N of its requests per system: GPU kernel time and top kernels")
+    parser.add_argument("--attn-implementation", default=None, choices=["flash_attention_2", "sdpa"],
+                        help="the towers' attention (default: their config's, flash_attention_2); sdpa builds a dense [L, L] mask: W1-W3 only")
     parser.add_argument("--systems-3d", default=None, help="systems for W4_3d (default: --systems)")
     parser.add_argument("--smoke-test-on-cpu", action="store_true",
                         help="tiny configs on the CPU, to check this script without a GPU (times mean nothing)")
@@ -363,6 +369,9 @@ def main() -> None:
     if args.smoke_test_on_cpu:
         DEVICE = "cpu"
         vit_config, vit3d_config = MoonVitConfig.tiny(), MoonViT3dConfig.tiny()
+    if args.attn_implementation:
+        vit_config = dataclasses.replace(vit_config, attn_implementation=args.attn_implementation)
+        vit3d_config = dataclasses.replace(vit3d_config, attn_implementation=args.attn_implementation)
     systems = args.systems.split(",")
     workloads = args.workloads.split(",")
     results: dict = {}
@@ -452,6 +461,9 @@ def main() -> None:
                 extras[f"W4_{name}_times_ms"] = run["first"]
                 extras[f"W4_{name}_stalls"] = run["stalls"]
                 if args.profile and DEVICE == "cuda":
+                    # requests of another seed first: mostly sizes this system has not seen (host pass misses)
+                    extras[f"W4_{name}_profile_new_sizes"] = device_profile(
+                        system, [make_inputs(grid, 7000 + i) for i, grid in enumerate(request_stream(7, args.profile + 2))])
                     extras[f"W4_{name}_profile"] = device_profile(
                         system, [make_inputs(grid, 100 + 1000 + i) for i, grid in enumerate(stream[:args.profile])])
                 record("W4", name, stream_summary(run, "first", len(stream), len(warm_stream)))
