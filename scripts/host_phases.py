@@ -1,0 +1,113 @@
+"""Where a kimi_cg call's time goes, phase by phase, for image sizes seen before and new ones (GPU).
+
+    python scripts/host_phases.py --out phases.json
+
+Real Kimi-VL tower (bf16, random weights), ``kimi_cg.warm_up`` first (its cost and breakdown are
+reported: a clean warm-up figure when nothing else runs on the machine), then W4-like requests:
+a pass over one stream, a second pass over the same stream (every size seen), and a pass over
+another stream (mostly new sizes). Each phase below is timed with the device synchronised before
+and after it, so phases add up but the total is a little slower than an unsynchronised call:
+
+  call          the whole compiled call (dynamo's guards and frame entry included)
+  runner        kimi_cg's runner (call minus dynamo)
+  host          the host metadata pass (per-item cache lookups included)
+  item_values   per-item metadata (cache hits and misses), part of host
+  fill          copies into the bucket's static inputs
+  replay        CUDA-graph replays
+  output_rows   the output sizes for this call (symbolic, cached per shape)
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench  # noqa: E402  (the same streams and inputs as the benchmarks)
+
+import kimi_cg  # noqa: E402
+from kimi_cg.device_program import DeviceProgram  # noqa: E402
+from kimi_cg.host_program import HostProgram, ItemValue  # noqa: E402
+from kimi_cg.models import MoonVitConfig, MoonVitPretrainedModel  # noqa: E402
+from kimi_cg.runtime.graphs import BucketedGraphs  # noqa: E402
+from kimi_cg.runtime.runner import LiftedRunner  # noqa: E402
+
+PHASES = collections.Counter()
+
+
+def timed(name: str, function):
+    def wrapper(*args, **kwargs):
+        bench.synchronize()
+        start = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            bench.synchronize()
+            PHASES[name] += time.perf_counter() - start
+    return wrapper
+
+
+def instrument() -> None:
+    LiftedRunner.__call__ = timed("runner", LiftedRunner.__call__)
+    HostProgram.__call__ = timed("host", HostProgram.__call__)
+    ItemValue.forward = timed("item_values", ItemValue.forward)
+    BucketedGraphs._fill = timed("fill", BucketedGraphs._fill)
+    DeviceProgram.output_rows = timed("output_rows", DeviceProgram.output_rows)
+    torch.cuda.CUDAGraph.replay = timed("replay", torch.cuda.CUDAGraph.replay)
+
+
+def measure(system, requests) -> dict:
+    per_request = collections.defaultdict(list)
+    with torch.no_grad():
+        for args in requests:
+            PHASES.clear()
+            bench.synchronize()
+            start = time.perf_counter()
+            system(*args)
+            bench.synchronize()
+            PHASES["call"] = time.perf_counter() - start
+            for name in ("call", "runner", "host", "item_values", "fill", "replay", "output_rows"):
+                per_request[name].append(PHASES[name] * 1e3)
+    return {name: {"mean_ms": statistics.fmean(v), "p50_ms": statistics.median(v)} for name, v in per_request.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=40)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--smoke-test-on-cpu", action="store_true",
+                        help="tiny config on the CPU (bucket path without capture), to check this script")
+    args = parser.parse_args()
+    config, options = MoonVitConfig(), None
+    if args.smoke_test_on_cpu:
+        bench.DEVICE, config, options = "cpu", MoonVitConfig.tiny(), {"cuda_graphs": True}
+    elif not torch.cuda.is_available():
+        sys.exit("host_phases.py needs a GPU (or --smoke-test-on-cpu)")
+    torch.manual_seed(0)
+    model = MoonVitPretrainedModel(config).to(bench.DEVICE, torch.bfloat16).eval()
+    compiled = torch.compile(model, backend="kimi_cg", options=options)
+    report = {"machine": torch.cuda.get_device_name() if bench.DEVICE == "cuda" else "cpu (smoke test)", "torch": torch.__version__,
+              "command": "python scripts/host_phases.py " + " ".join(sys.argv[1:])}
+    report["warm_up"] = kimi_cg.warm_up(compiled, *bench.make_inputs([[16, 16]], 0), max_items=8)
+    print("warm_up", json.dumps(report["warm_up"]), flush=True)
+    stream = [bench.make_inputs(grid, 100 + i) for i, grid in enumerate(bench.request_stream(4, args.requests))]
+    other = [bench.make_inputs(grid, 900 + i) for i, grid in enumerate(bench.request_stream(9, args.requests))]
+    instrument()
+    for label, requests in (("first_pass", stream), ("second_pass_seen_sizes", stream), ("new_stream", other)):
+        report[label] = measure(compiled, requests)
+        print(label, json.dumps({k: round(v["mean_ms"], 3) for k, v in report[label].items()}), flush=True)
+    report["counters"] = dict(kimi_cg.counters)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
