@@ -196,6 +196,34 @@ def install_item_cache(gm: torch.fx.GraphModule, grid_placeholders: set[torch.fx
     return installed
 
 
+def check_scalar(condition, message: str) -> None:
+    """``aten._assert_scalar`` for plain Python values: same error, no dispatcher round trip."""
+    if not condition:
+        raise RuntimeError(message)
+
+
+def inline_scalar_asserts(gm: torch.fx.GraphModule) -> int:
+    """Dynamo's runtime assertions on grid integers (hundreds per call for eight items) run as
+    ``check_scalar``; a repeated assertion of one condition runs once. Returns how many remain."""
+    seen = set()
+    kept = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten._assert_scalar.default:
+            continue
+        condition = node.args[0]
+        if node.users or (isinstance(condition, torch.fx.Node) and condition in seen):
+            if not node.users:
+                gm.graph.erase_node(node)
+            continue
+        if isinstance(condition, torch.fx.Node):
+            seen.add(condition)
+        node.target = check_scalar
+        kept += 1
+    gm.graph.lint()
+    gm.recompile()
+    return kept
+
+
 class HostProgram:
     """Runs the host program; maps failures to InvalidInputError naming the grid items involved."""
 
@@ -212,6 +240,7 @@ class HostProgram:
                 if not any(isinstance(a, torch.fx.Node) and a in grid_nodes for a in node.all_input_nodes):
                     const_nodes.add(node)
         self.items_cached = install_item_cache(self.gm, grid_nodes, const_nodes)
+        self.asserts_inlined = inline_scalar_asserts(self.gm)
         self.grid_positions = [i for i, ref in enumerate(program.inputs) if ref.program == "arg" and ref.index in grid_inputs]
         self._grid_position_set = frozenset(self.grid_positions)
         self.batch_cache_size = batch_cache_size

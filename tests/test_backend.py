@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import operator
 import subprocess
 import sys
 import textwrap
@@ -339,3 +340,24 @@ def test_projector_pre_norm_is_fused_into_the_gather(tmp_path):
     code = "\n".join(l for l in (last / "device_program.py").read_text().splitlines() if not l.strip().startswith("#"))
     assert "merge_gather_layernorm" in code
     assert code.count("layer_norm(") == 2 * MoonViT3dConfig.tiny().num_hidden_layers + 1  # blocks + final, not pre_norm
+
+
+def test_host_asserts_run_as_python_checks_once_per_condition():
+    from kimi_cg.host_program import check_scalar, inline_scalar_asserts
+
+    graph = torch.fx.Graph()
+    h, w = graph.placeholder("h"), graph.placeholder("w")
+    positive = graph.call_function(operator.ge, (h, 1))
+    fits = graph.call_function(operator.le, (w, 128))
+    for condition, message in ((positive, "h >= 1"), (positive, "h >= 1 again"), (fits, "w <= 128")):
+        graph.call_function(torch.ops.aten._assert_scalar.default, (condition, message))
+    graph.output(graph.call_function(operator.mul, (h, w)))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    assert inline_scalar_asserts(gm) == 2
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(check_scalar) == 2 and torch.ops.aten._assert_scalar.default not in targets
+    assert gm(4, 6) == 24
+    with pytest.raises(RuntimeError, match="h >= 1"):
+        gm(0, 6)
+    with pytest.raises(RuntimeError, match="w <= 128"):
+        gm(2, 130)
