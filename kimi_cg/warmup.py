@@ -21,9 +21,12 @@ from kimi_cg.counters import counters, timings
 
 def warm_up(model, pixel_values: torch.Tensor, grid: torch.Tensor, max_items: int = 8) -> dict:
     """Run ``model`` (compiled with backend="kimi_cg") on 1..max_items copies of the first item of
-    (pixel_values, grid); returns what it cost: {"seconds", "calls", "dynamo_graphs", "breakdown_s"},
-    where breakdown_s splits the seconds into kimi_cg's backend, device compile, capture and the
-    rest (dynamo's tracing and the runs themselves; see ``kimi_cg.timings``).
+    (pixel_values, grid); returns what it cost: {"seconds", "calls", "dynamo_graphs", "breakdown_s",
+    "buckets_ready_s", "per_call"}. breakdown_s splits the seconds into kimi_cg's backend, device
+    compile, capture and the rest (dynamo's tracing and the runs themselves; see ``kimi_cg.timings``);
+    buckets_ready_s is the time from the first call until every bucket graph was captured (the
+    later calls only trace further item counts); per_call lists {"items", "seconds" (since the
+    start), "captures" (the process-wide counter)} after each call.
 
     ``grid`` is the tower's grid tensor ([N, 2] (h, w) or [N, 3] (t, h, w)); the item's pixel rows
     are the first prod(grid[0]) rows of ``pixel_values``.
@@ -43,14 +46,19 @@ def warm_up(model, pixel_values: torch.Tensor, grid: torch.Tensor, max_items: in
         batches = batches[:1]
     repeat = [1] * (item_pixels.dim() - 1)
     before, start, timed = counters["dynamo_graphs"], time.perf_counter(), dict(timings)
+    per_call = []
     with torch.no_grad():
         for count, one_grid in batches:
             copies = count * int(one_grid[0].prod()) // rows
             model(item_pixels.repeat(copies, *repeat), one_grid.repeat(count, 1))
-    if item_pixels.is_cuda:
-        torch.cuda.synchronize(item_pixels.device)
+            if item_pixels.is_cuda:
+                torch.cuda.synchronize(item_pixels.device)
+            per_call.append({"items": count, "seconds": time.perf_counter() - start, "captures": counters["captures"]})
     seconds = time.perf_counter() - start
+    # The first call after which no bucket was captured any more: serving can replay every bucket.
+    final_captures = per_call[-1]["captures"]
+    buckets_ready = next(call["seconds"] for call in per_call if call["captures"] == final_captures)
     breakdown = {key: timings[key] - timed.get(key, 0.0) for key in ("backend", "device_compile", "capture")}
     breakdown["dynamo_and_runs"] = seconds - sum(breakdown.values())
     return {"seconds": seconds, "calls": len(batches), "dynamo_graphs": counters["dynamo_graphs"] - before,
-            "breakdown_s": breakdown}
+            "breakdown_s": breakdown, "buckets_ready_s": buckets_ready, "per_call": per_call}

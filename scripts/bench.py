@@ -466,7 +466,11 @@ def main() -> None:
                         system, [make_inputs(grid, 7000 + i) for i, grid in enumerate(request_stream(7, args.profile + 2))])
                     extras[f"W4_{name}_profile"] = device_profile(
                         system, [make_inputs(grid, 100 + 1000 + i) for i, grid in enumerate(stream[:args.profile])])
-                record("W4", name, stream_summary(run, "first", len(stream), len(warm_stream)))
+                summary = stream_summary(run, "first", len(stream), len(warm_stream))
+                if name == "kimi_cg" and "kimi_cg_warm_up" in extras:  # kimi_cg.warm_up ran before the warm-up stream
+                    summary["warm_up_call_s"] = extras["kimi_cg_warm_up"]["seconds"]
+                    summary["buckets_ready_s"] = extras["kimi_cg_warm_up"]["buckets_ready_s"]
+                record("W4", name, summary)
                 record("W4_repeat", name, stream_summary(run, "second", len(stream), len(warm_stream)))
             if name == "kimi_cg":
                 extras["graph_memory_bytes"] = graph_memory_bytes()
@@ -503,7 +507,11 @@ def main() -> None:
                 if name == "kimi_cg":
                     extras["W4_3d_kimi_cg_counters"] = dict(kimi_cg.counters)
                     extras["W4_3d_kimi_cg_timings_s"] = dict(kimi_cg.timings)
-                record("W4_3d", name, stream_summary(run, "first", len(stream3d), len(warm3d)))
+                summary = stream_summary(run, "first", len(stream3d), len(warm3d))
+                if name == "kimi_cg" and "kimi_cg_warm_up_3d" in extras:
+                    summary["warm_up_call_s"] = extras["kimi_cg_warm_up_3d"]["seconds"]
+                    summary["buckets_ready_s"] = extras["kimi_cg_warm_up_3d"]["buckets_ready_s"]
+                record("W4_3d", name, summary)
             except Exception as error:  # one system failing (torch.compile crashes) must not end the run
                 failed("W4_3d", name, error)
                 continue

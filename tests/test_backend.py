@@ -303,6 +303,9 @@ def test_warm_up_traces_every_item_count_so_serving_never_compiles(build, item, 
     assert parts["backend"] > 0 and min(parts.values()) >= 0
     assert sum(parts.values()) == pytest.approx(report["seconds"])
     assert parts["backend"] == pytest.approx(kimi_cg.timings["backend"])  # the counters started at zero
+    assert [call["items"] for call in report["per_call"]] == [1, 2, 1, 3, 4]
+    seconds = [call["seconds"] for call in report["per_call"]]
+    assert seconds == sorted(seconds) and report["buckets_ready_s"] in seconds and seconds[-1] <= report["seconds"]
     traced = kimi_cg.counters["dynamo_graphs"]
     grids = [[[4, 6], [2, 8]], [[8, 4]], [[6, 6], [2, 10], [4, 4], [2, 2]], [[10, 2], [2, 4], [6, 2]]]
     with torch.no_grad():
