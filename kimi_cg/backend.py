@@ -107,6 +107,9 @@ def _bucketed_graphs(config: KimiCGConfig, lifted, inputs, device, example_input
             kinds.append({capture.InputRole.ACTIVATION: "activation", capture.InputRole.SIZE: "size"}.get(roles[ref.index], "state"))
     rules = input_rules(device, kinds)
     key = (tuple(rules), buckets, config.max_items, config.max_frames, on_cuda, config.poison_graph_pool)
+    # The key holds one rule per device input (hundreds: the weights), and a tuple rehashes its
+    # items on every lookup: equal keys get one small int per device program, once, here.
+    key = device.configurations.setdefault(key, len(device.configurations))
 
     static_positions = [i for i, rule in enumerate(rules) if rule.kind == "static"]
     take_static = operator.itemgetter(*static_positions) if len(static_positions) > 1 else None

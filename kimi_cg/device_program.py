@@ -71,7 +71,8 @@ class DeviceProgram:
         self._compiled = None
         self._output_rows = None
         self._output_rows_by_shape: dict = {}
-        self.bucketed_graphs: dict = {}  # runtime.graphs.BucketedGraphs per runtime configuration
+        self.bucketed_graphs: dict = {}  # runtime.graphs.BucketedGraphs per (configuration, weights)
+        self.configurations: dict = {}  # runtime configuration -> its small id (see backend._bucketed_graphs)
 
     def __call__(self, *inputs):
         if self._compiled is None:

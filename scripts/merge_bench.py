@@ -12,6 +12,7 @@ against the eager of the same process.
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 
@@ -31,7 +32,8 @@ def main(argv: list[str]) -> None:
         for key in ("machine", "torch", "date"):
             merged[key] = merged[key] or report[key]
         merged["command"].append(report["command"])
-        merged["runs"][label] = {"file": path, "command": report["command"]}
+        # the file relative to the merged report (plot_bench.py reads the W4 times from it)
+        merged["runs"][label] = {"file": os.path.relpath(path, os.path.dirname(os.path.abspath(out))), "command": report["command"]}
         for workload, systems in report["results"].items():
             eager = systems.get("eager", {}).get("mean_ms")
             for system, entry in systems.items():

@@ -106,6 +106,9 @@ class BucketedGraphs:
                  max_frames: int, capture: bool, poison_pool: bool = False):
         self.program = program
         self.rules = rules
+        # Per-call loops skip the static inputs (the weights, hundreds of them): they need no copy.
+        self.padded = [(i, rule) for i, rule in enumerate(rules) if rule.kind != "static"]
+        self.row_positions = [i for i, rule in self.padded if rule.kind == "rows"]
         self.capacities = buckets
         self.max_segments = max_items + 1  # real segments plus the trailing padding segment
         self.max_frames = max_frames
@@ -117,13 +120,14 @@ class BucketedGraphs:
 
     # -- planning -------------------------------------------------------------------------------
     def _patches(self, inputs) -> int:
-        return max(inputs[i].shape[0] for i, rule in enumerate(self.rules) if rule.kind == "rows")
+        return max(inputs[i].shape[0] for i in self.row_positions)
 
     def choose(self, inputs) -> int | None:
         """The smallest bucket this call fits, or None (then the caller runs the plain program)."""
         rows = self._patches(inputs)
         needed = rows
-        for rule, value in zip(self.rules, inputs):
+        for i, rule in self.padded:
+            value = inputs[i]
             if rule.kind == "cu_seqlens" and value.shape[0] > self.max_segments:
                 return None
             if rule.kind in ("plan_index", "plan_weight"):
@@ -260,11 +264,12 @@ class BucketedGraphs:
         return static
 
     def _device(self, inputs) -> torch.device:
-        return next(inputs[i].device for i, r in enumerate(self.rules) if r.kind == "rows")
+        return inputs[self.row_positions[0]].device
 
     def _fill(self, bucket: _Bucket, inputs) -> None:
         capacity = bucket.capacity
-        for rule, static, value in zip(self.rules, bucket.inputs, inputs):
+        for i, rule in self.padded:
+            static, value = bucket.inputs[i], inputs[i]
             if rule.kind == "rows":
                 rows = value.shape[0]
                 static[:rows].copy_(value, non_blocking=True)

@@ -36,6 +36,10 @@ class LiftedRunner:
         self.activation_index = activation_index
         self.host_refs = lifted.host.inputs
         self.device_refs = lifted.device.inputs
+        if any(ref.program not in ("arg", "host", "literal") for ref in self.device_refs):
+            raise ValueError("device program inputs come from the call, the host program or literals")
+        self.device_plan = [(ref.program, ref.index) for ref in self.device_refs]
+        self.host_positions = [i for i, ref in enumerate(self.device_refs) if ref.program == "host"]
         self.post_refs = lifted.post.inputs
         self.output_refs = lifted.outputs
         self.graphs_for = graphs_for  # device inputs -> BucketedGraphs (shared by equal programs)
@@ -52,14 +56,17 @@ class LiftedRunner:
 
     def __call__(self, *args):
         results = {}
-        results["host"] = self.host(*(self._resolve(ref, args, results) for ref in self.host_refs))
-        target = args[self.activation_index].device if self.activation_index is not None else None
-        device_args = []
-        for ref in self.device_refs:
-            value = self._resolve(ref, args, results)
-            if ref.program == "host" and isinstance(value, torch.Tensor) and target is not None and value.device != target:
-                value = value.to(target, non_blocking=True)
-            device_args.append(value)
+        results["host"] = host = self.host(*(self._resolve(ref, args, results) for ref in self.host_refs))
+        # Most device inputs are the call's own arguments (the weights): a list comprehension over
+        # precomputed (program, index) pairs keeps this loop cheap (hundreds of inputs per call).
+        device_args = [args[i] if program == "arg" else host[i] if program == "host" else i
+                       for program, i in self.device_plan]
+        if self.activation_index is not None:
+            target = args[self.activation_index].device
+            for position in self.host_positions:
+                value = device_args[position]
+                if isinstance(value, torch.Tensor) and value.device != target:
+                    device_args[position] = value.to(target, non_blocking=True)
         results["device"] = self._run_device(device_args)
         if self.post_refs or self.lifted.post.outputs:
             results["post"] = self.lifted.post.gm(*(self._resolve(ref, args, results) for ref in self.post_refs))
