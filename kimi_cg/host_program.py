@@ -208,14 +208,13 @@ def inline_scalar_asserts(gm: torch.fx.GraphModule) -> int:
     seen = set()
     kept = 0
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not torch.ops.aten._assert_scalar.default:
+        if node.op != "call_function" or node.target is not torch.ops.aten._assert_scalar.default or node.users:
             continue
         condition = node.args[0]
-        if node.users or (isinstance(condition, torch.fx.Node) and condition in seen):
-            if not node.users:
-                gm.graph.erase_node(node)
-            continue
         if isinstance(condition, torch.fx.Node):
+            if condition in seen:  # the first assertion of this condition, earlier in the graph, raises
+                gm.graph.erase_node(node)
+                continue
             seen.add(condition)
         node.target = check_scalar
         kept += 1
