@@ -41,15 +41,15 @@ def warm_up(model, pixel_values: torch.Tensor, grid: torch.Tensor, max_items: in
     item_pixels, item_grid = pixel_values[:rows], grid[:1]
     taller_grid = item_grid.clone()
     taller_grid[0, -2] *= 2  # (h, w) -> (2h, w): twice the rows, still even for the patch merger
-    batches = [(1, item_grid), (2, item_grid), (1, taller_grid), *((n, item_grid) for n in range(3, max_items + 1))]
+    # (items, one item's grid row, copies of the item's pixel rows)
+    batches = [(1, item_grid, 1), (2, item_grid, 2), (1, taller_grid, 2), *((n, item_grid, n) for n in range(3, max_items + 1))]
     if max_items == 1:
         batches = batches[:1]
     repeat = [1] * (item_pixels.dim() - 1)
     before, start, timed = counters["dynamo_graphs"], time.perf_counter(), dict(timings)
     per_call = []
     with torch.no_grad():
-        for count, one_grid in batches:
-            copies = count * int(one_grid[0].prod()) // rows
+        for count, one_grid, copies in batches:
             model(item_pixels.repeat(copies, *repeat), one_grid.repeat(count, 1))
             if item_pixels.is_cuda:
                 torch.cuda.synchronize(item_pixels.device)
