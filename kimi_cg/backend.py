@@ -14,22 +14,20 @@ import time
 
 import torch
 
-from kimi_cg import capture
+from kimi_cg import capture, dynamo_settings
 from kimi_cg.canonicalize import FuseGatherLayerNormPass, MergeGatherPass, RealRopePass, SegmentAttentionPass, SeparableResizePass
 from kimi_cg.config import KimiCGConfig
 from kimi_cg.counters import counters, timings
 from kimi_cg.device_program import get_device_program
 from kimi_cg.errors import UnsupportedGraphError
 from kimi_cg.host_program import HostProgram
-from kimi_cg.lift import split
+from kimi_cg.fallback import record_fallback
+from kimi_cg.lift import source_location, split
 from kimi_cg.runtime.graphs import BucketedGraphs, input_rules
 from kimi_cg.runtime.runner import LiftedRunner
 from kimi_cg.debug import report_graph_break, write_lift_report
 
 logger = logging.getLogger(__name__)
-
-capture.configure_dynamo()  # NOTE [dynamo settings] in capture.py: the one global side effect.
-
 
 def _resolve_compiler(config: KimiCGConfig, example_inputs) -> str:
     if config.device_compiler != "auto":
@@ -47,6 +45,10 @@ def kimi_cg_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | No
 
 
 def _compile_graph(gm: torch.fx.GraphModule, example_inputs, config: KimiCGConfig):
+    if not dynamo_settings.installed():
+        logger.warning("kimi_cg: this graph was traced without kimi_cg's dynamo settings (torch._dynamo.reset() "
+                       "drops compile callbacks; call kimi_cg.reset() after it); installed again for later compiles")
+        dynamo_settings.install()
     counters["dynamo_graphs"] += 1
     graph_id = counters["dynamo_graphs"]
     debug_dir = os.path.join(config.debug_dir, f"graph_{graph_id:03d}") if config.debug_dir else None
@@ -57,17 +59,21 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, config: KimiCGConfi
         logger.info("kimi_cg: graph %d has no activation/grid inputs; running it unchanged", graph_id)
         return gm.forward
     try:
-        SeparableResizePass(debug_dir)(gm)
-        SegmentAttentionPass(debug_dir)(gm)
-        MergeGatherPass(debug_dir)(gm)
-        FuseGatherLayerNormPass(debug_dir)(gm)
-        RealRopePass(debug_dir)(gm)
-        lifted = split(gm, inputs)
-    except UnsupportedGraphError:
-        if config.strict:
-            raise
-        logger.warning("kimi_cg: graph %d could not be lifted; running it unchanged", graph_id, exc_info=True)
-        return gm.forward
+        # The passes rewrite a copy: dynamo's graph stays pristine, to run when lifting fails.
+        return _lift(capture.working_copy(gm), gm, inputs, activations, example_inputs, config, debug_dir)
+    except Exception as error:  # noqa: BLE001 - NOTE [errors by who must act]: never a crash where eager runs
+        return _unlifted(gm, error, config)
+
+
+def _lift(work: torch.fx.GraphModule, pristine: torch.fx.GraphModule, inputs, activations, example_inputs,
+          config: KimiCGConfig, debug_dir: str | None):
+    SeparableResizePass(debug_dir)(work)
+    SegmentAttentionPass(debug_dir)(work)
+    MergeGatherPass(debug_dir)(work)
+    FuseGatherLayerNormPass(debug_dir)(work)
+    RealRopePass(debug_dir)(work)
+    inputs = capture.classify_inputs(work)
+    lifted = split(work, inputs)
     grid_inputs = [item.index for item in inputs if item.role is capture.InputRole.GRID]
     const_inputs = {item.index for item in inputs if item.role is capture.InputRole.MODULE_STATE}
     host = HostProgram(lifted.host, grid_inputs, const_inputs, config.metadata_cache_bytes, config.batch_cache_size)
@@ -78,7 +84,35 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, config: KimiCGConfi
     device = get_device_program(lifted.device.gm, compiler, host_inputs)
     if debug_dir:
         write_lift_report(debug_dir, lifted, host, device)
-    return LiftedRunner(lifted, host, device, activations[0], _bucketed_graphs(config, lifted, inputs, device, example_inputs))
+    graphs = _bucketed_graphs(config, lifted, inputs, device, example_inputs)
+    return LiftedRunner(lifted, host, device, activations[0], graphs, fallback=pristine.forward, strict=config.strict)
+
+
+def _unlifted(gm: torch.fx.GraphModule, error: Exception, config: KimiCGConfig):
+    """What runs when a graph cannot be lifted: the captured graph unchanged, or (strict) an error
+    raised when the graph is called, so that the caller sees kimi_cg's own error class."""
+    if isinstance(error, UnsupportedGraphError):
+        reason, detail = error.reason, str(error)
+    else:
+        reason, detail = f"internal error ({type(error).__name__})", f"{type(error).__name__}: {error}"
+        logger.debug("kimi_cg: internal error while lifting", exc_info=True)
+    if config.strict:
+        def raise_unsupported(*args):
+            if isinstance(error, UnsupportedGraphError):
+                raise error
+            raise UnsupportedGraphError(f"kimi_cg could not lift this graph: {detail}", reason) from error
+
+        return raise_unsupported
+    counters["lift_fallbacks"] += 1
+    record_fallback(reason, getattr(error, "where", None) or _first_user_location(gm), detail, "this graph runs unlifted")
+    return gm.forward
+
+
+def _first_user_location(gm: torch.fx.GraphModule) -> str:
+    for node in gm.graph.nodes:
+        if node.meta.get("stack_trace"):
+            return source_location(node)
+    return "an unknown location"
 
 
 def _has_dynamic_patch_count(inputs) -> bool:
@@ -130,3 +164,6 @@ def _bucketed_graphs(config: KimiCGConfig, lifted, inputs, device, example_input
         return graphs
 
     return graphs_for
+
+
+dynamo_settings.install(kimi_cg_backend)  # NOTE [dynamo settings]: kimi_cg's only import-time effect

@@ -11,6 +11,12 @@ Keys (missing keys read as 0):
   graph_replays, captures     CUDA-graph replays and captures (CUDA runtime)
   eager_fallbacks             calls or items that ran the non-graphed device program
   split_calls                 calls too large for one replay, run as several replays of whole items
+  lift_fallbacks              dynamo graphs kimi_cg could not lift: they run unchanged (reasons in
+                              ``kimi_cg.fallbacks``)
+  call_fallbacks              calls of a lifted graph that ran the captured graph instead (a call-time
+                              compiler limit; reasons in ``kimi_cg.fallbacks``)
+  dynamo_setting_fallbacks    frames dynamo failed to trace with kimi_cg's settings (traced with its own since)
+  invalid_inputs              calls rejected with InvalidInputError (the captured graph rejected them too)
 
 ``timings`` (seconds, host wall clock, accumulated) says where compile-time cost goes:
   backend                     in the backend per dynamo graph (passes, lift, host program), without
@@ -33,8 +39,10 @@ def reset() -> None:
     """Zero every counter and forget every cached program and metadata entry."""
     counters.clear()
     timings.clear()
-    from kimi_cg import device_program
+    from kimi_cg import device_program, dynamo_settings, fallback
     from kimi_cg.ops import resize
 
+    fallback.clear()
+    dynamo_settings.install()  # torch._dynamo.reset() drops dynamo's compile callbacks
     device_program.clear_program_cache()
     resize.clear_matrix_cache()

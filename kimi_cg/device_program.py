@@ -69,6 +69,7 @@ class DeviceProgram:
         self.compiler = compiler
         self.host_inputs = host_inputs
         self._compiled = None
+        self._compile_error: Exception | None = None  # a failed compile is not retried on every call
         self._output_rows = None
         self._output_rows_by_shape: dict = {}
         self.bucketed_graphs: dict = {}  # runtime.graphs.BucketedGraphs per (configuration, weights)
@@ -76,9 +77,17 @@ class DeviceProgram:
 
     def __call__(self, *inputs):
         if self._compiled is None:
+            if self._compile_error is not None:
+                raise UnsupportedGraphError(f"the device program failed to compile: {self._compile_error}",
+                                            "device compile failed") from self._compile_error
             start = time.perf_counter()
-            self._compiled = self._compile(inputs)
-            timings["device_compile"] += time.perf_counter() - start
+            try:
+                self._compiled = self._compile(inputs)
+            except Exception as error:
+                self._compile_error = error
+                raise
+            finally:
+                timings["device_compile"] += time.perf_counter() - start
         return self._compiled(*inputs)
 
     def _compile(self, inputs):

@@ -27,9 +27,10 @@ from typing import Any
 import torch
 import torch.fx
 
+from kimi_cg.aliasing import Aliasing
 from kimi_cg.capture import example_value
 from kimi_cg.counters import counters
-from kimi_cg.errors import InvalidInputError
+from kimi_cg.errors import InvalidInputError, UnsupportedGraphError
 from kimi_cg.lift import Program, source_location
 
 logger = logging.getLogger(__name__)
@@ -136,9 +137,11 @@ def install_item_cache(gm: torch.fx.GraphModule, grid_placeholders: set[torch.fx
     """Replace maximal item values in the host graph by ItemValue lookups; returns how many."""
     graph = gm.graph
     rows = _grid_rows(graph, grid_placeholders)
+    # A cached value must never be written after the lookup returns it (NOTE [mutation and lifting]).
+    mutated = Aliasing(graph).mutated
     item_tensor: dict[torch.fx.Node, frozenset] = {}
     for node in graph.nodes:
-        if node.op in ("placeholder", "output", "get_attr") or node in rows:
+        if node.op in ("placeholder", "output", "get_attr") or node in rows or node in mutated:
             continue
         value = example_value(node)
         input_rows = set()
@@ -259,7 +262,7 @@ class HostProgram:
                 return cached
         try:
             outputs = self.gm(*inputs)
-        except InvalidInputError:
+        except (InvalidInputError, UnsupportedGraphError):
             raise
         except Exception as error:  # noqa: BLE001 - re-raised with the item named
             raise self._explain(error, inputs) from error

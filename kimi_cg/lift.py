@@ -36,6 +36,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
+from kimi_cg.aliasing import Aliasing
 from kimi_cg.capture import GraphInput, InputRole, example_value
 from kimi_cg.errors import UnsupportedGraphError
 
@@ -151,11 +152,46 @@ class LiftedGraph:
     report: dict
 
 
-def classify(gm: torch.fx.GraphModule, inputs: list[GraphInput]) -> dict[torch.fx.Node, Category]:
+_ORDER = {Category.CONST: 0, Category.SIZE: 1, Category.HOST: 2, Category.DEVICE: 3, Category.POST: 3}
+
+
+def classify(gm: torch.fx.GraphModule, inputs: list[GraphInput], aliasing: Aliasing | None = None) -> dict[torch.fx.Node, Category]:
+    """Each node's category; a mutated group gets one category for all its members (NOTE [mutation
+    and lifting] in aliasing.py), found by iterating until no group's category rises."""
     graph = gm.graph
-    roles = {item.node: item.role for item in inputs}
+    aliasing = aliasing or Aliasing(graph)
+    for group in aliasing.groups:
+        written_inputs = [node for node in group.members if node.op == "placeholder"]
+        if written_inputs:
+            write = group.writes[0]
+            raise UnsupportedGraphError(
+                f"the graph writes in place to its input {written_inputs[0].name} at {source_location(write)}; "
+                "kimi_cg lifts only graphs whose in-place writes target tensors the graph creates"
+            )
     activation = activation_dependent_nodes(graph, inputs)
-    post = output_view_nodes(graph, activation)
+    post = output_view_nodes(graph, activation) - aliasing.mutated
+    forced: dict[torch.fx.Node, Category] = {}
+    for _ in range(len(aliasing.groups) + 1):
+        categories = _categories(graph, inputs, activation, post, forced)
+        raised = False
+        for group in aliasing.groups:
+            level = max((categories[node] for node in [*group.members, *group.read_inputs()]), key=_ORDER.__getitem__)
+            if _ORDER[level] < _ORDER[Category.HOST]:
+                level = Category.HOST  # one program computes the group; the others receive it finished
+            if level is Category.POST:
+                level = Category.DEVICE
+            for node in group.members:
+                if forced.get(node) is not level:
+                    forced[node] = level
+                    raised = True
+        if not raised:
+            break
+    _sink_host_views(graph, categories, aliasing.mutated)
+    return categories
+
+
+def _categories(graph, inputs, activation, post, forced) -> dict[torch.fx.Node, Category]:
+    roles = {item.node: item.role for item in inputs}
     categories: dict[torch.fx.Node, Category] = {}
     role_category = {
         InputRole.MODULE_STATE: Category.CONST,
@@ -168,36 +204,43 @@ def classify(gm: torch.fx.GraphModule, inputs: list[GraphInput]) -> dict[torch.f
             continue
         if node.op == "placeholder":
             categories[node] = role_category[roles[node]]
-        elif node.op == "get_attr":
-            categories[node] = Category.CONST
+            continue
+        if node.op == "get_attr":
+            category = Category.CONST
         elif node in post:
-            categories[node] = Category.POST
+            category = Category.POST
         elif node in activation:
-            categories[node] = Category.DEVICE
+            category = Category.DEVICE
         elif is_size_query(node) and any(arg in activation for arg in node.all_input_nodes):
-            categories[node] = Category.SIZE
+            category = Category.SIZE
         else:
             found = {categories[arg] for arg in node.all_input_nodes}
-            if Category.HOST in found or node.target is torch.ops.aten._assert_scalar.default:
-                categories[node] = Category.HOST
+            if Category.DEVICE in found or Category.POST in found:
+                category = Category.DEVICE  # reads a value some write made device-side
+            elif Category.HOST in found or node.target is torch.ops.aten._assert_scalar.default:
+                category = Category.HOST
             elif Category.SIZE in found:
                 value = example_value(node)
                 scalar = isinstance(value, (int, bool, torch.SymInt, torch.SymBool)) or value is None
-                categories[node] = Category.SIZE if scalar and not isinstance(value, torch.Tensor) else Category.HOST
+                category = Category.SIZE if scalar and not isinstance(value, torch.Tensor) else Category.HOST
             else:
-                categories[node] = Category.CONST
-    _sink_host_views(graph, categories)
+                category = Category.CONST
+        if node in forced and _ORDER[forced[node]] > _ORDER[category]:
+            category = forced[node]
+        categories[node] = category
     return categories
 
 
 _SINKABLE_VIEWS = {"unsqueeze", "view", "reshape", "transpose", "permute", "squeeze", "expand", "flatten", "select"}
 
 
-def _sink_host_views(graph: torch.fx.Graph, categories: dict[torch.fx.Node, Category]) -> None:
+def _sink_host_views(graph: torch.fx.Graph, categories: dict[torch.fx.Node, Category], mutated: set) -> None:
     """A view of a host tensor used only by device ops (each layer's ``freqs_cis.unsqueeze(-2)``)
     moves into the device program, so the host hands over the base tensor once, not once per layer."""
     for node in reversed(list(graph.nodes)):
         if categories.get(node) is not Category.HOST or node.op != "call_method" or node.target not in _SINKABLE_VIEWS:
+            continue
+        if node in mutated:  # shares a written storage: stays with its group
             continue
         if len(node.all_input_nodes) != 1:  # a tensor method whose other arguments are literals
             continue

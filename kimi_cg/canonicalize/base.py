@@ -84,12 +84,15 @@ _PURE_FUNCTIONS = {operator.getitem, operator.add, operator.sub, operator.mul, o
 def eliminate_common_scalar_subexpressions(graph: torch.fx.Graph, extra_pure=()) -> int:
     """Merge repeated pure scalar/index computations (each layer re-reading ``cu_seqlens[i].item()``)
     so that equal host values are computed, and handed to the device, once."""
+    from kimi_cg.aliasing import Aliasing
+
     pure = _PURE_FUNCTIONS | set(extra_pure)
+    aliasing = Aliasing(graph)  # a read of written storage gives different values before and after the write
     seen: dict = {}
     merged = 0
     for node in list(graph.nodes):
         is_pure = (node.op == "call_function" and node.target in pure) or (node.op == "call_method" and node.target == "item")
-        if not is_pure:
+        if not is_pure or aliasing.reads_mutated(node):
             continue
         try:
             key = (node.op, node.target, node.args, tuple(sorted(node.kwargs.items())))

@@ -8,6 +8,8 @@ import weakref
 import torch
 
 from kimi_cg.counters import counters
+from kimi_cg.errors import InvalidInputError, UnsupportedGraphError
+from kimi_cg.fallback import record_fallback
 from kimi_cg.device_program import DeviceProgram
 from kimi_cg.host_program import HostProgram
 from kimi_cg.lift import LiftedGraph, ValueRef
@@ -28,8 +30,10 @@ class LiftedRunner:
     """The callable kimi_cg returns to dynamo for one graph."""
 
     def __init__(self, lifted: LiftedGraph, host: HostProgram, device: DeviceProgram, activation_index: int | None,
-                 graphs_for=None):
+                 graphs_for=None, fallback=None, strict: bool = False):
         self.lifted = lifted
+        self.fallback = fallback  # the captured graph, unchanged (NOTE [errors by who must act])
+        self.strict = strict
         self.host = host
         self.device = device
         # Host tensors consumed by the device program move to the activations' device.
@@ -55,6 +59,35 @@ class LiftedRunner:
         return results[ref.program][ref.index]
 
     def __call__(self, *args):
+        if self.fallback is None:
+            return self._run_lifted(args)
+        try:
+            return self._run_lifted(args)
+        except Exception as error:  # noqa: BLE001 - decided below: the caller's error or a compiler limit
+            return self._after_failure(error, args)
+
+    def _after_failure(self, error: Exception, args):
+        """NOTE [errors by who must act]: the captured graph, run unchanged on the same inputs, tells
+        whether the inputs are invalid (it fails too: the caller's error) or kimi_cg hit a limit (it
+        runs: its result is returned, counted as a fallback, or strict raises)."""
+        try:
+            result = self.fallback(*args)
+        except torch.OutOfMemoryError:
+            raise  # not the inputs' fault, and not kimi_cg's limit
+        except Exception as eager_error:  # noqa: BLE001 - re-raised as the caller's error
+            counters["invalid_inputs"] += 1
+            message = str(error) if isinstance(error, InvalidInputError) else f"kimi_cg: invalid input: {eager_error}"
+            raise InvalidInputError.like(message, eager_error) from eager_error
+        reason = error.reason if isinstance(error, UnsupportedGraphError) else f"call failed ({type(error).__name__})"
+        detail = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        if self.strict:
+            raise UnsupportedGraphError(f"kimi_cg could not run this call lifted ({detail}); the captured graph runs it",
+                                        reason) from error
+        counters["call_fallbacks"] += 1
+        record_fallback(reason, getattr(error, "where", None) or "call time", detail, "this call ran the captured graph")
+        return result
+
+    def _run_lifted(self, args):
         results = {}
         results["host"] = host = self.host(*(self._resolve(ref, args, results) for ref in self.host_refs))
         # Most device inputs are the call's own arguments (the weights): a list comprehension over

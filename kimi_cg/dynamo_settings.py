@@ -1,0 +1,195 @@
+"""The dynamo settings kimi_cg traces with, in force only while dynamo traces a frame for kimi_cg.
+
+NOTE [dynamo settings]
+kimi_cg needs two dynamo settings while dynamo traces a frame compiled with ``backend="kimi_cg"``:
+
+- ``capture_scalar_outputs = True``: ``grid.tolist()`` / ``.item()`` become unbacked SymInts inside
+  one graph instead of graph breaks that specialise (and recompile) on every image size;
+- ``capture_dynamic_output_shape_ops = True``: ops whose output size depends on data stay in the
+  graph too.
+
+They must not reach any other compile in the process: with them, dynamo raises
+``GuardOnDataDependentSymNode`` on code it otherwise traces with graph breaks. A backend cannot set
+them through ``torch.compile`` (it drops ``backend_ctx_ctor``; config is read at trace time and is not
+part of guards), so kimi_cg scopes them itself:
+
+1. ``install()`` (run when the backend module is imported, again by ``kimi_cg.reset()`` and whenever
+   the backend finds them missing: ``torch._dynamo.reset()`` drops every compile callback) registers
+   a start and an end callback with dynamo's ``callback_handler``. Dynamo runs them around every
+   frame it compiles, in the compiling thread, one compile at a time (its compile lock).
+2. The start callback asks which backend this compile is for: the ``compiler_fn`` argument of
+   dynamo's ``convert_frame._compile`` on the Python stack, unwrapped through torch.compile's
+   wrappers. Only for kimi_cg does it enter ``torch._dynamo.config.patch(...)``; the end callback
+   exits it. So every thread that calls a kimi_cg model traces it with these settings (config
+   overrides are per thread from torch 2.13 on), and no other compile ever sees them.
+3. If dynamo fails on a frame *because of* these settings (an error other than a graph break or a
+   frame skip), the end callback remembers the frame's code: the failing call runs the frame eagerly
+   (``suppress_errors`` for that one error, restored when the next compile starts) and later
+   compiles of that code trace with dynamo's own settings. Counted in ``kimi_cg.fallbacks``.
+4. One setting does persist, per thread, once a kimi_cg frame was compiled in it:
+   ``recompile_limit`` is raised to at least 64. Dynamo keeps one graph per number of items N
+   (plus the static first trace and the RoPE table's retrace); with the default 8 a serving mix of
+   1..8+ images exhausts it and later calls silently run eager (seen on the H200). Dynamo checks this
+   limit before any callback runs, so it cannot be scoped to one compile; it changes no trace, only
+   how many graphs a frame may keep.
+
+If the stack lookup of step 2 ever fails (a torch release that renames ``_compile``), kimi_cg
+frames trace with dynamo's defaults: correct, with graph breaks; ``kimi_cg.counters["graph_breaks"]``
+and a warning say so.
+
+NOTE [list vs torch.Size]: dynamo before torch 2.13 compares ``[h, w] == weight.shape[:-1]``
+(upstream MoonViT's position-embedding check, always False in Python) element by element, so with
+unbacked h, w it guards on ``h != 64`` and graph-breaks. ``install()`` makes its polyfill
+``list_cmp`` type-aware, as Python and torch >= 2.13 are: a compatibility shim for that one bug, a
+no-op on torch >= 2.13, and the one process-wide patch kimi_cg applies.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import operator
+import sys
+import threading
+import weakref
+
+import torch
+
+from kimi_cg.counters import counters
+from kimi_cg.fallback import record_fallback
+
+logger = logging.getLogger(__name__)
+
+DYNAMO_SETTINGS = {"capture_scalar_outputs": True, "capture_dynamic_output_shape_ops": True}
+MIN_RECOMPILE_LIMIT = 64
+
+_backends: list = []  # the kimi_cg backend function(s) whose compiles get the settings
+_traced_with_defaults: "weakref.WeakSet" = weakref.WeakSet()  # code objects that failed under the settings
+_state = threading.local()
+
+
+def install(backend=None) -> None:
+    """Scope DYNAMO_SETTINGS to compiles for ``backend`` (NOTE [dynamo settings]); idempotent. Without
+    an argument, re-registers the callbacks for the backends installed before."""
+    if backend is not None and backend not in _backends:
+        _backends.append(backend)
+    handler = torch._dynamo.callback_handler
+    if _on_compile_start not in handler.start_callbacks:
+        handler.register_start_callback(_on_compile_start)
+    if _on_compile_end not in handler.end_callbacks:
+        handler.register_end_callback(_on_compile_end)
+    _patch_list_compare()
+
+
+def installed() -> bool:
+    return _on_compile_start in torch._dynamo.callback_handler.start_callbacks
+
+
+def active() -> bool:
+    """Whether the current thread is tracing a kimi_cg frame with DYNAMO_SETTINGS in force."""
+    return getattr(_state, "patch", None) is not None
+
+
+def _compile_frame_locals():
+    """The locals of dynamo's ``convert_frame._compile`` running below us, or None."""
+    convert_frame = sys.modules.get("torch._dynamo.convert_frame")
+    filename = getattr(convert_frame, "__file__", None)
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "_compile" and frame.f_code.co_filename == filename:
+            return frame.f_locals
+        frame = frame.f_back
+    return None
+
+
+def _is_kimi_cg(compiler_fn) -> bool:
+    seen = 0
+    while compiler_fn is not None and seen < 16:
+        if any(compiler_fn is backend for backend in _backends):
+            return True
+        # torch.compile's wrappers: WrapBackendDebug -> _TorchCompileWrapper -> the backend.
+        compiler_fn = (getattr(compiler_fn, "_torchdynamo_orig_backend", None)
+                       or getattr(compiler_fn, "compiler_fn", None) or getattr(compiler_fn, "func", None))
+        seen += 1
+    return False
+
+
+def _on_compile_start(_args) -> None:
+    restore = getattr(_state, "restore_suppress_errors", None)
+    if restore is not None:
+        torch._dynamo.config.suppress_errors = restore
+        _state.restore_suppress_errors = None
+    local_vars = _compile_frame_locals()
+    if local_vars is None or not _is_kimi_cg(local_vars.get("compiler_fn")):
+        return
+    if torch._dynamo.config.recompile_limit < MIN_RECOMPILE_LIMIT:
+        logger.info("kimi_cg raises torch._dynamo.config.recompile_limit to %d in this thread", MIN_RECOMPILE_LIMIT)
+        torch._dynamo.config.recompile_limit = MIN_RECOMPILE_LIMIT
+    code = local_vars.get("code")
+    if code is not None and code in _traced_with_defaults:
+        return
+    patch = torch._dynamo.config.patch(**DYNAMO_SETTINGS)
+    patch.__enter__()
+    _state.patch, _state.code, _state.error_at_start = patch, code, sys.exc_info()[1]
+
+
+def _on_compile_end(_args) -> None:
+    patch = getattr(_state, "patch", None)
+    if patch is None:
+        return
+    _state.patch = None
+    patch.__exit__(None, None, None)
+    error = sys.exc_info()[1]  # the compile's own error, when it is propagating (the callback runs in a finally)
+    if error is None or error is _state.error_at_start or _is_graph_break(error):
+        return
+    code = _state.code
+    if code is not None:
+        _traced_with_defaults.add(code)
+    where = f"{code.co_filename}:{code.co_firstlineno} ({code.co_name})" if code is not None else "a frame"
+    counters["dynamo_setting_fallbacks"] += 1
+    record_fallback("dynamo failed with kimi_cg's settings", where, f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}",
+                    "this frame runs eagerly now and is traced with dynamo's default settings from the next call")
+    _state.restore_suppress_errors = torch._dynamo.config.suppress_errors
+    torch._dynamo.config.suppress_errors = True  # this one error: the frame runs eagerly, no crash
+
+
+def _is_graph_break(error: BaseException) -> bool:
+    """Dynamo's own soft failures (a graph break it cannot resume from, a frame it skips)."""
+    from torch._dynamo import exc
+
+    soft = tuple(getattr(exc, name) for name in ("Unsupported", "UserError", "SkipFrame") if hasattr(exc, name))
+    return isinstance(error, soft)
+
+
+def _list_vs_tuple_aware(original):
+    def list_cmp(op, left, right):
+        # Python: a list never equals a tuple (or torch.Size); compare element-wise only when both
+        # sides are lists or both are tuples.
+        if op in (operator.eq, operator.ne) and isinstance(left, list) != isinstance(right, list):
+            return op is operator.ne
+        if op is operator.eq and len(left) == len(right):
+            # Element-wise equality as one symbolic condition (no guard per element), so that
+            # torch._check(x.shape[:-2] == y.shape[:-1]) traces with unbacked sizes.
+            result = True
+            for a, b in zip(left, right):
+                result = torch.sym_and(result, a == b) if result is not True else a == b
+            return result
+        return original(op, left, right)
+
+    list_cmp.__kimi_cg_original__ = original
+    return list_cmp
+
+
+def _patch_list_compare() -> None:
+    """NOTE [list vs torch.Size]."""
+    if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13):
+        return
+    polyfills = importlib.import_module("torch._dynamo.polyfills")
+    original = getattr(polyfills, "list_cmp", None)
+    if original is None or hasattr(original, "__kimi_cg_original__"):
+        return
+    patched = _list_vs_tuple_aware(original)
+    for name, module in list(sys.modules.items()):
+        if name.startswith("torch._dynamo") and getattr(module, "list_cmp", None) is original:
+            setattr(module, "list_cmp", patched)
+    logger.info("kimi_cg: made dynamo's list_cmp polyfill list/tuple aware (torch %s)", torch.__version__)

@@ -1,0 +1,185 @@
+"""NOTE [dynamo settings]: kimi_cg's dynamo settings hold while its own frames trace, in every thread,
+and nowhere else; a frame dynamo cannot trace with them is traced with dynamo's own."""
+
+from __future__ import annotations
+
+import operator
+import threading
+
+import torch
+
+import kimi_cg
+from kimi_cg import dynamo_settings
+from kimi_cg.models.moonvit import MoonVitConfig, MoonVitPretrainedModel
+
+TINY = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_hidden_layers=1, init_pos_emb_height=8,
+            init_pos_emb_width=8)
+
+
+def _tiny_tower():
+    torch.manual_seed(0)
+    return MoonVitPretrainedModel(MoonVitConfig(**TINY)).eval()
+
+
+def _inputs(grid):
+    grid = torch.tensor(grid)
+    return torch.randn(int(grid.prod(-1).sum()), 3, 14, 14), grid
+
+
+def split_by_lengths(x, lengths):
+    """Code that stock dynamo traces with graph breaks (transformers' per-segment attention)."""
+    pieces = torch.split(x, lengths.tolist())
+    return torch.cat([piece.softmax(0) * piece.shape[0] for piece in pieces])
+
+
+def extend_from_tolist(x, lengths):
+    """Qwen2.5-VL's window index builds a Python list from tensor values."""
+    cu = [0]
+    cu.extend(lengths.cumsum(0).tolist())
+    return torch.cat([x[cu[i]:cu[i + 1]].sum(0, keepdim=True) for i in range(len(cu) - 1)])
+
+
+def _run_other_compiles():
+    """Outputs, graph counts and graph breaks of other models compiled with stock backends."""
+    results = []
+    x, lengths = torch.randn(10, 4), torch.tensor([3, 7])
+    for fn in (split_by_lengths, extend_from_tolist):
+        for backend in ("eager", "inductor"):
+            torch._dynamo.reset()
+            kimi_cg.reset()
+            graphs = []
+
+            def counting(gm, example_inputs, backend=backend):
+                graphs.append(len(gm.graph.nodes))
+                if backend == "eager":
+                    return gm.forward
+                from torch._inductor.compile_fx import compile_fx
+
+                return compile_fx(gm, example_inputs)
+
+            out = torch.compile(fn, backend=counting)(x, lengths)
+            torch.testing.assert_close(out, fn(x, lengths), rtol=0, atol=1e-6)
+            results.append((fn.__name__, backend, graphs))
+    return results
+
+
+def _settings():
+    config = torch._dynamo.config
+    return config.capture_scalar_outputs, config.capture_dynamic_output_shape_ops
+
+
+def test_other_compiles_behave_the_same_after_kimi_cg_is_used():
+    before, settings_before = _run_other_compiles(), _settings()
+    tower = _tiny_tower()
+    pixels, grid = _inputs([[2, 4], [4, 2]])
+    compiled = torch.compile(tower, backend="kimi_cg")
+    for got, want in zip(compiled(pixels, grid), tower(pixels, grid)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert kimi_cg.counters["graph_breaks"] == 0  # the settings held while kimi_cg traced
+    assert _settings() == settings_before
+    assert _run_other_compiles() == before
+
+
+def test_other_compiles_in_another_thread_are_unaffected():
+    tower = _tiny_tower()
+    pixels, grid = _inputs([[2, 2]])
+    torch.compile(tower, backend="kimi_cg")(pixels, grid)
+    results = {}
+    worker = threading.Thread(target=lambda: results.setdefault("other", (_run_other_compiles(), _settings())))
+    worker.start()
+    worker.join()
+    assert results["other"] == (_run_other_compiles(), _settings())
+
+
+def test_a_tower_first_called_from_a_worker_thread_is_lifted():
+    tower = _tiny_tower()
+    compiled = torch.compile(tower, backend="kimi_cg")
+    grids = ([[2, 4], [4, 2]], [[2, 2], [6, 2]], [[4, 4], [2, 2]])
+    results, errors = [], []
+
+    def work():
+        try:
+            for grid in grids:
+                pixels, grid_tensor = _inputs(grid)
+                results.append((compiled(pixels, grid_tensor), tower(pixels, grid_tensor)))
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    worker.join()
+    assert not errors
+    for got, want in results:
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert kimi_cg.counters["graph_breaks"] == 0
+    assert kimi_cg.counters["dynamo_graphs"] <= 3  # static first trace, dynamic trace, RoPE-table retrace (N + 2)
+    assert kimi_cg.counters["lift_fallbacks"] == 0
+
+
+def test_settings_come_back_after_torch_dynamo_reset_with_kimi_cg_reset():
+    torch._dynamo.reset()
+    assert not dynamo_settings.installed()
+    kimi_cg.reset()
+    assert dynamo_settings.installed()
+    tower = _tiny_tower()
+    pixels, grid = _inputs([[2, 4]])
+    torch.compile(tower, backend="kimi_cg")(pixels, grid)
+    assert kimi_cg.counters["graph_breaks"] == 0
+
+
+# A custom op whose fake implementation fails on unbacked sizes: it traces with dynamo's defaults
+# (the .item() breaks the graph, sizes are concrete) and fails with kimi_cg's settings.
+_LIBRARY = torch.library.Library("kimi_cg_settings_test", "FRAGMENT")
+_LIBRARY.define("rows_needing_backed_sizes(Tensor x) -> Tensor")
+torch.library.impl(_LIBRARY, "rows_needing_backed_sizes", "CompositeExplicitAutograd")(lambda x: x * 2)
+
+
+@torch.library.register_fake("kimi_cg_settings_test::rows_needing_backed_sizes", lib=_LIBRARY)
+def _fake_rows(x):
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    if free_unbacked_symbols(x.shape):
+        raise RuntimeError("this op needs backed sizes")
+    return torch.empty_like(x)
+
+
+class NeedsDefaultSettings(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x, grid):
+        rows = int(grid[:, 0].sum().item())
+        return torch.ops.kimi_cg_settings_test.rows_needing_backed_sizes(self.lin(x[:rows]))
+
+
+def test_a_frame_that_fails_with_kimi_cg_settings_is_traced_with_dynamo_defaults():
+    model = NeedsDefaultSettings()
+    compiled = torch.compile(model, backend="kimi_cg")
+    for grid in ([[3, 1]], [[5, 1]], [[2, 1]]):
+        x, grid_tensor = torch.randn(6, 4), torch.tensor(grid)
+        torch.testing.assert_close(compiled(x, grid_tensor), model(x, grid_tensor))
+    assert kimi_cg.counters["dynamo_setting_fallbacks"] == 1
+    assert kimi_cg.fallbacks["dynamo failed with kimi_cg's settings"] == 1
+    assert torch._dynamo.config.suppress_errors is False  # restored once the next compile started
+
+
+def test_list_compare_shim_follows_python_semantics():
+    calls = []
+
+    def original(op, left, right):
+        calls.append((op, left, right))
+        return "original"
+
+    shim = dynamo_settings._list_vs_tuple_aware(original)
+    # A list never equals a tuple or torch.Size (upstream MoonViT's position-embedding check).
+    assert shim(operator.eq, [64, 64], torch.Size([64, 64])) is False
+    assert shim(operator.ne, [64, 64], (64, 64)) is True
+    # Same types: element-wise equality as one condition.
+    assert shim(operator.eq, (1, 2), (1, 2)) is True
+    assert shim(operator.eq, (1, 2), (1, 3)) is False
+    assert not calls
+    # Orderings and different lengths go to dynamo's own polyfill.
+    assert shim(operator.lt, (1, 2), (1, 3)) == "original"
+    assert shim(operator.eq, (1, 2), (1, 2, 3)) == "original"
