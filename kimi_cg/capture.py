@@ -24,9 +24,24 @@ class InputRole(enum.Enum):
     SIZE = "size"  # SymInt inputs dynamo adds for dynamic dimensions
 
 
-# Dynamo names lifted module state after its source: L_self_modules_..._parameters_weight_,
-# L_self_modules_encoder_modules_rope_2d_freqs_cis, L_model_modules_..._buffers_... .
+# Fallback when a placeholder carries no source (graphs not made by dynamo): dynamo's names for
+# lifted module state, e.g. L_self_modules_..._parameters_weight_.
 _MODULE_STATE_NAME = re.compile(r"^(L_self_|L_self$)|_modules_|_parameters_|_buffers_")
+
+
+def _is_module_state_source(source) -> bool | None:
+    """From dynamo's source of a graph input: True for state that is the same every call (reached
+    through an nn.Module, a global or a closure cell), False for the call's own arguments (a local
+    of the frame, or something reached from one), None when there is no source."""
+    if source is None:
+        return None
+    while source is not None:
+        kind = type(source).__name__
+        if "NNModule" in kind or "ParamBuffer" in kind or kind in ("GlobalSource", "GlobalWeakRefSource", "ClosureSource",
+                                                                    "CellContentsSource", "ConstantSource"):
+            return True
+        source = getattr(source, "base", None)
+    return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,9 +70,13 @@ def classify_inputs(gm: torch.fx.GraphModule) -> list[GraphInput]:
     roles = []
     for index, node in enumerate(node for node in gm.graph.nodes if node.op == "placeholder"):
         value = example_value(node)
+        grapharg = node.meta.get("grapharg")
+        module_state = _is_module_state_source(getattr(grapharg, "source", None))
+        if module_state is None:
+            module_state = bool(_MODULE_STATE_NAME.search(node.target))
         if isinstance(value, (torch.SymInt, int)):
             role = InputRole.SIZE
-        elif isinstance(value, torch.nn.Parameter) or _MODULE_STATE_NAME.search(node.target):
+        elif isinstance(value, torch.nn.Parameter) or module_state:
             role = InputRole.MODULE_STATE
         elif isinstance(value, torch.Tensor) and not (value.is_floating_point() or value.is_complex()):
             role = InputRole.GRID

@@ -3,6 +3,7 @@
 Keys (missing keys read as 0):
   dynamo_graphs               graphs the backend received from dynamo
   graph_breaks                graph breaks reported in frames kimi_cg compiled
+  frames_skipped              kimi_cg frames dynamo gave up on (they run eagerly; warned with the fix)
   device_programs_compiled    device programs built (structurally equal ones are built once)
   device_program_cache_hits   dynamo graphs that reused an existing device program
   host_programs_built         host metadata programs built (one per dynamo graph)
@@ -40,9 +41,11 @@ def reset() -> None:
     counters.clear()
     timings.clear()
     from kimi_cg import device_program, dynamo_settings, fallback
+    from kimi_cg.debug import clear_reports
     from kimi_cg.ops import resize
 
     fallback.clear()
+    clear_reports()
     dynamo_settings.install()  # torch._dynamo.reset() drops dynamo's compile callbacks
     device_program.clear_program_cache()
     resize.clear_matrix_cache()

@@ -157,7 +157,8 @@ def _fake_inputs(gm: torch.fx.GraphModule, inputs, host_inputs: frozenset[int]):
                     fakes[position] = fake.shape[0]
                     break
         else:
-            raise UnsupportedGraphError(f"device program input {node.name}={symbol} is not the size of a tensor input")
+            raise UnsupportedGraphError(f"device program input {node.name}={symbol} is not the size of a tensor input",
+                                        "device input size not from a tensor")
     return fake_mode, fakes
 
 

@@ -140,12 +140,18 @@ def _on_compile_end(_args) -> None:
     _state.patch = None
     patch.__exit__(None, None, None)
     error = sys.exc_info()[1]  # the compile's own error, when it is propagating (the callback runs in a finally)
-    if error is None or error is _state.error_at_start or _is_graph_break(error):
+    if error is None or error is _state.error_at_start:
         return
     code = _state.code
+    where = f"{code.co_filename}:{code.co_firstlineno} ({code.co_name})" if code is not None else "a frame"
+    if _is_graph_break(error):
+        if "No ops traced" not in str(error):  # dynamo skips frames without tensor work: nothing lost
+            from kimi_cg.debug import report_skipped_frame
+
+            report_skipped_frame(where, error)
+        return
     if code is not None:
         _traced_with_defaults.add(code)
-    where = f"{code.co_filename}:{code.co_firstlineno} ({code.co_name})" if code is not None else "a frame"
     counters["dynamo_setting_fallbacks"] += 1
     record_fallback("dynamo failed with kimi_cg's settings", where, f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}",
                     "this frame runs eagerly now and is traced with dynamo's default settings from the next call")

@@ -21,11 +21,13 @@ class KimiCGError(RuntimeError):
 class UnsupportedGraphError(KimiCGError):
     """A captured graph uses a pattern the compiler cannot lift or canonicalise (a model-side fix).
 
-    ``reason`` is a short, stable name of the limit (the key of ``kimi_cg.fallbacks``)."""
+    ``reason`` is a short, stable name of the limit (the key of ``kimi_cg.fallbacks``); ``where`` the
+    model's source line, when known."""
 
-    def __init__(self, message: str, reason: str = "unsupported pattern"):
+    def __init__(self, message: str, reason: str = "unsupported pattern", where: str | None = None):
         super().__init__(message)
         self.reason = reason
+        self.where = where
 
 
 class InvalidInputError(KimiCGError, ValueError):

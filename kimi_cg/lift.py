@@ -166,7 +166,9 @@ def classify(gm: torch.fx.GraphModule, inputs: list[GraphInput], aliasing: Alias
             write = group.writes[0]
             raise UnsupportedGraphError(
                 f"the graph writes in place to its input {written_inputs[0].name} at {source_location(write)}; "
-                "kimi_cg lifts only graphs whose in-place writes target tensors the graph creates"
+                "kimi_cg lifts only graphs whose in-place writes target tensors the graph creates",
+                "in-place write to a graph input",
+                source_location(write),
             )
     activation = activation_dependent_nodes(graph, inputs)
     post = output_view_nodes(graph, activation) - aliasing.mutated
@@ -259,7 +261,9 @@ def _check_device_symbols(nodes, categories) -> None:
             if categories[arg] is Category.HOST and isinstance(arg_value, (torch.SymInt, torch.SymBool, torch.SymFloat)):
                 raise UnsupportedGraphError(
                     f"device op {node.name} takes the grid-dependent value {arg.name} ({arg_value}); "
-                    f"at {source_location(node)}. Compute it on the host or bound it (see docs/design.md)."
+                    f"at {source_location(node)}. Compute it on the host or bound it (see docs/design.md).",
+                    "grid-dependent value reaches a device op",
+                    source_location(node),
                 )
 
 
@@ -389,11 +393,13 @@ def _extract(name, nodes, outputs, placeholders, owner, exported, size_symbols, 
                 continue
             expr = value.node.expr if isinstance(value, torch.SymInt) else None
             if expr is None or free_unbacked_symbols(value):
-                raise UnsupportedGraphError(f"{name} program needs the size {node.name}={value}, which is not a function of the call's sizes")
+                raise UnsupportedGraphError(f"{name} program needs the size {node.name}={value}, which is not a function of the call's sizes",
+                                            "size not a function of the call's sizes")
             expression_id, symbols = register_size_expression(expr)
             missing = [s for s in symbols if s not in size_symbols]
             if missing:
-                raise UnsupportedGraphError(f"size {node.name}={expr} uses symbols {missing} that are not graph inputs")
+                raise UnsupportedGraphError(f"size {node.name}={expr} uses symbols {missing} that are not graph inputs",
+                                            "size not a function of the call's sizes")
             env[node] = new_graph.call_function(
                 evaluate_size, (expression_id, *(env[size_symbols[s]] for s in symbols))
             )

@@ -44,6 +44,9 @@ from kimi_cg.lift import activation_dependent_nodes, output_view_nodes, source_l
 logger = logging.getLogger(__name__)
 
 
+_NOT_A_GATHER = "per-item view not expressible as a gather"
+
+
 @dataclasses.dataclass
 class RowCombination:
     """Host stand-in for a device tensor [*S, D]: row s equals sum_k weight[s, k] * anchor[index[s, k]].
@@ -81,7 +84,7 @@ def _normalize_dim(dim: int, ndim: int) -> int:
 def _keep_last(rows: RowCombination, dims, op: str) -> None:
     ndim = rows.index.dim()
     if any(_normalize_dim(d, ndim) == ndim - 1 for d in dims):
-        raise UnsupportedGraphError(f"{op} touches the feature dimension of a per-item activation")
+        raise UnsupportedGraphError(f"{op} touches the feature dimension of a per-item activation", _NOT_A_GATHER)
 
 
 def row_source(leading: tuple[int, ...], dim: int) -> RowCombination:
@@ -94,9 +97,9 @@ def row_getitem(rows: RowCombination, item) -> RowCombination:
     items = item if isinstance(item, tuple) else (item,)
     explicit = [i for i in items if i is not None and i is not Ellipsis]
     if len(explicit) >= rows.index.dim() and not (Ellipsis in items or explicit[-1] == slice(None)):
-        raise UnsupportedGraphError("indexing the feature dimension of a per-item activation")
+        raise UnsupportedGraphError("indexing the feature dimension of a per-item activation", _NOT_A_GATHER)
     if any(isinstance(i, torch.Tensor) for i in items):
-        raise UnsupportedGraphError("tensor indexing of a per-item activation")
+        raise UnsupportedGraphError("tensor indexing of a per-item activation", _NOT_A_GATHER)
     return rows.map(lambda t: t[item])
 
 
@@ -105,7 +108,7 @@ def row_view(rows: RowCombination, *sizes) -> RowCombination:
         sizes = tuple(sizes[0])
     leading, last = list(sizes[:-1]), sizes[-1]
     if last not in (rows.dim, -1) or (last == -1 and -1 in leading):
-        raise UnsupportedGraphError(f"view {tuple(sizes)} changes the feature dimension {rows.dim}")
+        raise UnsupportedGraphError(f"view {tuple(sizes)} changes the feature dimension {rows.dim}", _NOT_A_GATHER)
     if last == -1 and math.prod(leading) != math.prod(rows.index.shape[:-1]):
         raise RuntimeError(f"shape {list(sizes)} is invalid for input of size {math.prod(rows.shape)}")
     keep = rows.index.shape[-1]
@@ -117,7 +120,7 @@ def row_permute(rows: RowCombination, *dims) -> RowCombination:
         dims = tuple(dims[0])
     ndim = rows.index.dim()
     if _normalize_dim(dims[-1], ndim) != ndim - 1:
-        raise UnsupportedGraphError("permute moves the feature dimension of a per-item activation")
+        raise UnsupportedGraphError("permute moves the feature dimension of a per-item activation", _NOT_A_GATHER)
     return rows.map(lambda t: t.permute(*dims))
 
 
@@ -137,7 +140,7 @@ def row_flatten(rows: RowCombination, start_dim: int = 0, end_dim: int = -1) -> 
 
 def row_unsqueeze(rows: RowCombination, dim: int) -> RowCombination:
     if _normalize_dim(dim, rows.index.dim() + 1) == rows.index.dim():
-        raise UnsupportedGraphError("unsqueeze after the feature dimension of a per-item activation")
+        raise UnsupportedGraphError("unsqueeze after the feature dimension of a per-item activation", _NOT_A_GATHER)
     return rows.map(lambda t: t.unsqueeze(dim))
 
 
@@ -150,7 +153,7 @@ def row_mean(rows: RowCombination, dim, keepdim: bool = False, dtype=None) -> Ro
     """mean over leading dim(s): the reduced rows join the combination with weight / count."""
     dims = (dim,) if isinstance(dim, int) else tuple(dim)
     if dtype is not None or len(dims) != 1:
-        raise UnsupportedGraphError("mean with dtype= or over several dims of a per-item activation")
+        raise UnsupportedGraphError("mean with dtype= or over several dims of a per-item activation", _NOT_A_GATHER)
     _keep_last(rows, dims, "mean")
     d = _normalize_dim(dims[0], rows.index.dim())
     count = rows.index.shape[d]
@@ -289,7 +292,8 @@ class MergeGatherPass(GraphPass):
         if len(anchors) != 1:
             raise UnsupportedGraphError(
                 "per-item data movement reads from several activations "
-                f"({sorted(a.name for a in anchors)}); kimi_cg gathers from one packed tensor"
+                f"({sorted(a.name for a in anchors)}); kimi_cg gathers from one packed tensor",
+                "per-item data movement from several activations",
             )
         (anchor,) = anchors
         self._rewrite(graph, anchor, region, in_region, post)
@@ -299,7 +303,7 @@ class MergeGatherPass(GraphPass):
         anchor_value = example_value(anchor)
         dim = anchor_value.shape[-1]
         if not isinstance(dim, int):
-            raise UnsupportedGraphError(f"the feature dimension of {anchor.name} must be static; got {dim}")
+            raise UnsupportedGraphError(f"the feature dimension of {anchor.name} must be static; got {dim}", "dynamic feature dimension")
         with graph.inserting_after(anchor):
             sizes = []
             for d in range(anchor_value.dim() - 1):
@@ -344,7 +348,8 @@ class MergeGatherPass(GraphPass):
         if len(device_exits) > 1:
             raise UnsupportedGraphError(
                 f"several per-item activations ({[e.name for e in device_exits]}) feed further device work; "
-                f"kimi_cg supports one (e.g. torch.cat of the merger outputs); at {source_location(device_exits[0])}"
+                f"kimi_cg supports one (e.g. torch.cat of the merger outputs); at {source_location(device_exits[0])}",
+                "several per-item results feed device work",
             )
         cursor = gathered
         for exit_number, node in enumerate(exits):
@@ -353,7 +358,8 @@ class MergeGatherPass(GraphPass):
                 if any(not isinstance(s, int) for s in shape[1:]):
                     raise UnsupportedGraphError(
                         f"{node.name} {tuple(shape)} feeds device work but has grid-dependent inner dims; "
-                        f"at {source_location(node)}"
+                        f"at {source_location(node)}",
+                        "grid-dependent inner dims feed device work",
                     )
                 with graph.inserting_after(cursor):
                     cursor = graph.call_method("view", (gathered, -1, *shape[1:]))

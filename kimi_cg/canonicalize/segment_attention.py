@@ -37,7 +37,8 @@ import torch.nn.functional as F
 
 from kimi_cg.capture import example_value
 from kimi_cg.canonicalize.base import GraphPass, eliminate_common_scalar_subexpressions
-from kimi_cg.errors import InvalidInputError
+from kimi_cg.errors import UnsupportedGraphError
+from kimi_cg.lift import source_location
 
 logger = logging.getLogger(__name__)
 
@@ -51,13 +52,15 @@ def segments_to_cu_seqlens(bounds: tuple[int, ...], total: int) -> torch.Tensor:
     expected = 0
     for segment, (start, end) in enumerate(zip(starts, ends)):
         if start != expected or end < start:
-            raise InvalidInputError(
+            raise UnsupportedGraphError(
                 f"attention mask block {segment} covers [{start}, {end}) but blocks must tile [0, {total}) back to "
-                f"back (previous block ended at {expected}); the grid does not match the pixel rows"
+                f"back (previous block ended at {expected}); the grid does not match the pixel rows",
+                "mask blocks do not tile the sequence",
             )
         expected = end
     if expected != total:
-        raise InvalidInputError(f"attention mask blocks end at {expected}, the packed sequence has {total} rows")
+        raise UnsupportedGraphError(f"attention mask blocks end at {expected}, the packed sequence has {total} rows",
+                                    "mask blocks do not tile the sequence")
     return torch.tensor((0,) + tuple(ends), dtype=torch.int32)
 
 
@@ -103,9 +106,10 @@ class SegmentAttentionPass(GraphPass):
             report["scalars_merged"] = eliminate_common_scalar_subexpressions(graph)
         for mask, attentions in masks.items():
             found = _block_mask_bounds(mask, set(attentions))
-            rewritable = found is not None and all(self._rewritable(node) for node in attentions)
-            if not rewritable:
-                report["sdpa_left"] += [node.name for node in attentions]
+            reasons = ["the mask is not written as one block per segment"] if found is None else []
+            reasons += [reason for reason in map(self._unsupported_arguments, attentions) if reason]
+            if reasons:
+                report["sdpa_left"] += [f"{node.name} ({reasons[0]}) at {source_location(node)}" for node in attentions]
                 continue
             bounds, setitems = found
             shape = mask.args[0] if mask.args else mask.kwargs.get("size")
@@ -128,18 +132,26 @@ class SegmentAttentionPass(GraphPass):
         if report["sdpa_rewritten"]:
             eliminate_common_scalar_subexpressions(graph, extra_pure=(segments_to_cu_seqlens,))
         if report["sdpa_left"]:
-            logger.warning("kimi_cg: attention left dense (mask not recognised as block-diagonal): %s", report["sdpa_left"])
+            # Correct either way (the dense mask goes to the device); only slower and O(L^2) in memory.
+            logger.info("kimi_cg: attention kept with its dense mask: %s", report["sdpa_left"])
         return report
 
     @staticmethod
-    def _rewritable(node: torch.fx.Node) -> bool:
+    def _unsupported_arguments(node: torch.fx.Node) -> str | None:
+        """Why this SDPA call cannot become the varlen op, or None."""
         kwargs = node.kwargs
-        if kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0) not in (0, 0.0):
-            return False
-        if kwargs.get("is_causal", False) or kwargs.get("scale") is not None or len(node.args) > 5:
-            return False
-        query = example_value(node.args[0])
-        return isinstance(query, torch.Tensor) and (query.dim() == 3 or (query.dim() == 4 and query.shape[0] == 1))
+        if len(node.args) > 4 or set(kwargs) - {"attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"}:
+            return "positional or unknown arguments"
+        if kwargs.get("dropout_p", 0.0) not in (0, 0.0) or kwargs.get("is_causal", False) or kwargs.get("enable_gqa", False):
+            return "dropout, is_causal or enable_gqa"
+        if kwargs.get("scale") is not None:
+            return "scale= (the varlen op uses 1/sqrt(head_dim))"
+        query, key, value = (example_value(arg) for arg in node.args[:3])
+        if not all(isinstance(t, torch.Tensor) for t in (query, key, value)) or not (query.shape == key.shape == value.shape):
+            return "q, k and v differ in shape"
+        if not (query.dim() == 3 or (query.dim() == 4 and query.shape[0] == 1)):
+            return "a batch of more than one sequence"
+        return None
 
     @staticmethod
     def _rewrite_sdpa(graph: torch.fx.Graph, node: torch.fx.Node, bounds: list, mask_length) -> None:

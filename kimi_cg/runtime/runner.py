@@ -78,7 +78,12 @@ class LiftedRunner:
             counters["invalid_inputs"] += 1
             message = str(error) if isinstance(error, InvalidInputError) else f"kimi_cg: invalid input: {eager_error}"
             raise InvalidInputError.like(message, eager_error) from eager_error
-        reason = error.reason if isinstance(error, UnsupportedGraphError) else f"call failed ({type(error).__name__})"
+        if isinstance(error, UnsupportedGraphError):
+            reason = error.reason
+        elif isinstance(error, InvalidInputError):  # the host program failed where the captured graph runs
+            reason = "lifted program rejects a valid input"
+        else:
+            reason = f"lifted program failed ({type(error).__name__})"
         detail = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         if self.strict:
             raise UnsupportedGraphError(f"kimi_cg could not run this call lifted ({detail}); the captured graph runs it",
