@@ -69,9 +69,9 @@ def written_arguments(node: torch.fx.Node) -> list[torch.fx.Node]:
                 written.append(node.kwargs[argument.name])
     else:
         name = _target_name(node)
-        # torch's in-place convention: add_, index_put_, copy_, masked_fill_, nn.init.zeros_.
-        if name.endswith("_") and not name.startswith("_"):
-            written.append(first)
+        # torch's in-place convention: add_, index_put_, copy_, masked_fill_, nn.init.zeros_, _foreach_mul_.
+        if name.endswith("_") and not name.endswith("__"):
+            written += list(first) if isinstance(first, (tuple, list)) else [first]
         if node.kwargs.get("inplace") is True:
             written.append(first)
     out = node.kwargs.get("out")
@@ -113,16 +113,16 @@ class Aliasing:
                         self._union(node, by_storage[key])
                     else:
                         by_storage[key] = node
-            elif value is None and node.op in ("call_function", "call_method"):
-                # Made by a pass (no traced value) or returning nothing: may alias its tensor inputs.
-                for arg in node.all_input_nodes:
-                    if _is_tensor_node(arg) or example_value(arg) is None:
-                        self._union(node, arg)
             written = written_arguments(node)
-            if written:
+            if written:  # a write joins the group of what it writes (not of the values it reads)
                 writes.append((node, written))
                 for target in written:
                     self._union(node, target)
+            elif value is None and node.op in ("call_function", "call_method"):
+                # Made by a pass (no traced value): may alias its tensor inputs.
+                for arg in node.all_input_nodes:
+                    if _is_tensor_node(arg) or example_value(arg) is None:
+                        self._union(node, arg)
         groups: dict[torch.fx.Node, MutatedGroup] = {}
         for write, _ in writes:
             root = self._find(write)

@@ -17,6 +17,7 @@ Keys (missing keys read as 0):
   call_fallbacks              calls of a lifted graph that ran the captured graph instead (a call-time
                               compiler limit; reasons in ``kimi_cg.fallbacks``)
   dynamo_setting_fallbacks    frames dynamo failed to trace with kimi_cg's settings (traced with its own since)
+  dynamo_trace_failures       calls whose frame dynamo failed to trace for another reason (run eagerly)
   invalid_inputs              calls rejected with InvalidInputError (the captured graph rejected them too)
 
 ``timings`` (seconds, host wall clock, accumulated) says where compile-time cost goes:
@@ -46,6 +47,7 @@ def reset() -> None:
 
     fallback.clear()
     clear_reports()
+    dynamo_settings.clear()
     dynamo_settings.install()  # torch._dynamo.reset() drops dynamo's compile callbacks
     device_program.clear_program_cache()
     resize.clear_matrix_cache()

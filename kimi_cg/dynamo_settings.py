@@ -22,10 +22,12 @@ part of guards), so kimi_cg scopes them itself:
    wrappers. Only for kimi_cg does it enter ``torch._dynamo.config.patch(...)``; the end callback
    exits it. So every thread that calls a kimi_cg model traces it with these settings (config
    overrides are per thread from torch 2.13 on), and no other compile ever sees them.
-3. If dynamo fails on a frame *because of* these settings (an error other than a graph break or a
-   frame skip), the end callback remembers the frame's code: the failing call runs the frame eagerly
-   (``suppress_errors`` for that one error, restored when the next compile starts) and later
-   compiles of that code trace with dynamo's own settings. Counted in ``kimi_cg.fallbacks``.
+3. If dynamo fails on a kimi_cg frame (an error other than a graph break or a frame skip), the call
+   runs the frame eagerly (``suppress_errors`` for that one error, restored when the next compile
+   starts): the caller gets eager's result or eager's own error, never a dynamo crash. If the error
+   comes from a data-dependent value, i.e. from these settings, the end callback also remembers the
+   frame's code, and later compiles of that code trace with dynamo's own settings. Both are counted
+   (``dynamo_trace_failures``, ``dynamo_setting_fallbacks``, ``kimi_cg.fallbacks``).
 4. One setting does persist, per thread, once a kimi_cg frame was compiled in it:
    ``recompile_limit`` is raised to at least 64. Dynamo keeps one graph per number of items N
    (plus the static first trace and the RoPE table's retrace); with the default 8 a serving mix of
@@ -115,10 +117,7 @@ def _is_kimi_cg(compiler_fn) -> bool:
 
 
 def _on_compile_start(_args) -> None:
-    restore = getattr(_state, "restore_suppress_errors", None)
-    if restore is not None:
-        torch._dynamo.config.suppress_errors = restore
-        _state.restore_suppress_errors = None
+    _restore_suppress_errors()
     local_vars = _compile_frame_locals()
     if local_vars is None or not _is_kimi_cg(local_vars.get("compiler_fn")):
         return
@@ -150,13 +149,67 @@ def _on_compile_end(_args) -> None:
 
             report_skipped_frame(where, error)
         return
-    if code is not None:
-        _traced_with_defaults.add(code)
-    counters["dynamo_setting_fallbacks"] += 1
-    record_fallback("dynamo failed with kimi_cg's settings", where, f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}",
-                    "this frame runs eagerly now and is traced with dynamo's default settings from the next call")
-    _state.restore_suppress_errors = torch._dynamo.config.suppress_errors
-    torch._dynamo.config.suppress_errors = True  # this one error: the frame runs eagerly, no crash
+    summary = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
+    if _caused_by_unbacked_values(error):
+        if code is not None:
+            _traced_with_defaults.add(code)
+        counters["dynamo_setting_fallbacks"] += 1
+        record_fallback("dynamo failed with kimi_cg's settings", where, summary,
+                        "this frame runs eagerly now and is traced with dynamo's default settings from the next call")
+    else:
+        # An op failing on these inputs (eager fails the same way, e.g. an empty batch): the frame
+        # runs eagerly so that the caller sees eager's own error; the next call traces it again.
+        counters["dynamo_trace_failures"] += 1
+        record_fallback("dynamo failed to trace this call", where, summary, "this call runs the frame eagerly")
+    _suppress_errors_once()
+
+
+def _caused_by_unbacked_values(error: BaseException) -> bool:
+    """Whether dynamo failed on a data-dependent size or value, i.e. because of DYNAMO_SETTINGS."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if type(error).__name__ in _UNBACKED_ERRORS or "data-dependent" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+_UNBACKED_ERRORS = {"GuardOnDataDependentSymNode", "DataDependentOutputException", "DynamicOutputShapeException",
+                    "PendingUnbackedSymbolNotFound"}
+
+# NOTE [dynamo settings], step 3: dynamo reads suppress_errors after the end callback, to decide
+# whether the failed frame crashes the call or runs eagerly. It is set for that one read and put back
+# when the next compile starts (or by kimi_cg.reset()). Before torch 2.13 config is process-wide, so
+# any thread's next compile puts it back; from 2.13 on it is per thread, and the thread that set it
+# puts its own value back.
+_CONFIG_IS_PER_THREAD = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+_suppressed: dict[int, bool] = {}  # thread id -> suppress_errors before kimi_cg set it
+_suppressed_lock = threading.Lock()
+
+
+def _suppress_errors_once() -> None:
+    with _suppressed_lock:
+        _suppressed.setdefault(threading.get_ident(), torch._dynamo.config.suppress_errors)
+    torch._dynamo.config.suppress_errors = True
+
+
+def _restore_suppress_errors() -> None:
+    if not _suppressed:
+        return
+    with _suppressed_lock:
+        thread = threading.get_ident()
+        if thread in _suppressed:
+            torch._dynamo.config.suppress_errors = _suppressed.pop(thread)
+        elif not _CONFIG_IS_PER_THREAD:
+            torch._dynamo.config.suppress_errors = next(iter(_suppressed.values()))
+            _suppressed.clear()
+
+
+def clear() -> None:
+    """Forget frames demoted to dynamo's defaults and restore suppress_errors (kimi_cg.reset())."""
+    _traced_with_defaults.clear()
+    _restore_suppress_errors()
 
 
 def _is_graph_break(error: BaseException) -> bool:

@@ -39,6 +39,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from kimi_cg.aliasing import Aliasing
 from kimi_cg.capture import GraphInput, InputRole, example_value
 from kimi_cg.errors import UnsupportedGraphError
+from kimi_cg.runtime.gather_plan import take_rows
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ def activation_dependent_nodes(graph: torch.fx.Graph, inputs: list[GraphInput] |
 def _is_view_op(node: torch.fx.Node) -> bool:
     if node.op == "call_method":
         return node.target in _VIEW_METHODS
-    return node.op == "call_function" and (node.target in _VIEW_FUNCTIONS or getattr(node.target, "__name__", "") == "take_rows")
+    return node.op == "call_function" and (node.target in _VIEW_FUNCTIONS or node.target is take_rows)
 
 
 def output_view_nodes(graph: torch.fx.Graph, activation: set[torch.fx.Node]) -> set[torch.fx.Node]:

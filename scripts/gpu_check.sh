@@ -17,14 +17,20 @@ status=0
 # (dynamo's unbacked-integer handling differs between torch versions). Full logs go to $OUT as they
 # are written, so they come back even if the run hits its time limit.
 (CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=4 python3 -P -m pytest -q -p no:cacheprovider --durations=5 \
-  tests/test_backend.py tests/test_runtime.py tests/test_models.py tests/test_resize.py tests/test_capture.py \
-  tests/test_seed_style.py > "$OUT/core_tests.txt" 2>&1) &
+  tests/test_backend.py tests/test_runtime.py tests/test_models.py tests/test_resize.py tests/test_dynamo_settings.py \
+  tests/test_soundness.py tests/test_diagnostics.py tests/test_seed_style.py > "$OUT/core_tests.txt" 2>&1) &
 core=$!
+# Foreign towers (this machine's transformers) and the program fuzzer, in a second CPU process.
+(CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=4 python3 -P -m pytest -q -p no:cacheprovider --durations=5 \
+  tests/test_foreign_towers.py tests/test_program_fuzz.py > "$OUT/foreign_tests.txt" 2>&1) &
+foreign=$!
 python3 -P -m pytest -v -p no:cacheprovider --durations=10 tests/test_gpu.py tests/test_kernels.py tests/test_varlen_attention.py \
   > "$OUT/gpu_tests.txt" 2>&1 || status=1
 tail -15 "$OUT/gpu_tests.txt"
 wait $core || status=1
 tail -8 "$OUT/core_tests.txt"
+wait $foreign || status=1
+tail -8 "$OUT/foreign_tests.txt"
 python3 - "$KIMI_CG_GPU_SUMMARY" <<'PY'
 import json, sys
 try:

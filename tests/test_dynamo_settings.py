@@ -6,6 +6,7 @@ from __future__ import annotations
 import operator
 import threading
 
+import pytest
 import torch
 
 import kimi_cg
@@ -139,8 +140,8 @@ torch.library.impl(_LIBRARY, "rows_needing_backed_sizes", "CompositeExplicitAuto
 def _fake_rows(x):
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-    if free_unbacked_symbols(x.shape):
-        raise RuntimeError("this op needs backed sizes")
+    if free_unbacked_symbols(x.shape):  # as transformers' towers fail on torch.split(x, sizes.tolist())
+        raise RuntimeError("this op cannot take a data-dependent size")
     return torch.empty_like(x)
 
 
@@ -163,6 +164,24 @@ def test_a_frame_that_fails_with_kimi_cg_settings_is_traced_with_dynamo_defaults
     assert kimi_cg.counters["dynamo_setting_fallbacks"] == 1
     assert kimi_cg.fallbacks["dynamo failed with kimi_cg's settings"] == 1
     assert torch._dynamo.config.suppress_errors is False  # restored once the next compile started
+
+
+class FailsOnAnEmptyBatch(torch.nn.Module):
+    def forward(self, x, grid):
+        return x.reshape(x.shape[0], -1) * grid.shape[0]
+
+
+def test_a_trace_failure_eager_shares_gives_eager_error_and_does_not_demote_the_frame():
+    model = FailsOnAnEmptyBatch()
+    compiled = torch.compile(model, backend="kimi_cg")
+    with pytest.raises(RuntimeError, match="ambiguous"):
+        model(torch.randn(0, 3), torch.zeros(0, 2, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match="ambiguous"):  # eager's error, not a dynamo crash
+        compiled(torch.randn(0, 3), torch.zeros(0, 2, dtype=torch.int64))
+    assert kimi_cg.counters["dynamo_trace_failures"] == 1
+    assert kimi_cg.counters["dynamo_setting_fallbacks"] == 0
+    kimi_cg.reset()
+    assert torch._dynamo.config.suppress_errors is False
 
 
 def test_list_compare_shim_follows_python_semantics():
