@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU proof on the H200 in one run: core tests under the GPU machine's torch, the GPU tests
 # (CUDA-graph replays vs eager in bf16, fuzzed, poisoned pool), then a short summary.
-# On the device machine (no internet) kimi_cg comes from a wheel built here:
-#   pip wheel --no-deps --no-build-isolation -w .whl .   (then carry .whl)
+# On a GPU host without internet access kimi_cg comes from a wheel built beforehand:
+#   pip wheel --no-deps --no-build-isolation -w .whl .   (and copy .whl/ along with the tree)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1

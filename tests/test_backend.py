@@ -239,7 +239,7 @@ def test_lift_moves_grid_work_to_host_and_removes_dense_mask(tmp_path):
         for seed, grid in enumerate([[[4, 6], [2, 8]], [[8, 4], [2, 2]]]):
             compiled(*make_inputs(grid, seed))
     last = sorted(p for p in tmp_path.iterdir() if p.name.startswith("graph_"))[-1]
-    def code(name):  # the dumps carry the user's source lines as comments: look at code only
+    def code(name):  # the dumps hold the user's source lines as comments: look at code only
         lines = (last / name).read_text().splitlines()
         return "\n".join(line for line in lines if not line.strip().startswith("#"))
 

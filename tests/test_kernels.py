@@ -237,7 +237,7 @@ def _poisoned_inputs(hidden: int, dtype: torch.dtype, n_terms: int):
     assert not referenced.all(), "the test needs unreferenced rows to poison"
     poisoned_x = torch.where(referenced[:, None], x, float("nan"))
     clean_x = torch.where(referenced[:, None], x, 0.0)
-    # Skipped entries carry NaN weights too: they must not be read either.
+    # Skipped entries hold NaN weights too: they must not be read either.
     weight = torch.where(index >= 0, weight, float("nan"))
     return poisoned_x, clean_x, index, weight
 

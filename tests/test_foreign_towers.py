@@ -1,0 +1,267 @@
+"""Vision towers nobody on the project wrote, compiled unmodified with backend="kimi_cg", against eager.
+
+The corpus (tests/towers/): transformers' Kimi-K2.5, Qwen2-VL, Qwen2.5-VL (window attention) and GLM-4V
+vision towers, and MoonViT as its upstream remote code ships it (plain asserts; eager, sdpa and a
+flash-attn stand-in op). Every tower is tiny (hidden 64, 2 layers, head dim 16) with random weights and
+is called on three grids: one item, two items, two items of other sizes (the same item count again, so
+the second trace must not specialise on sizes; video chunks with t > 1 where the tower takes them).
+fp32: each output within 1e-5 of eager relative to the output's largest magnitude, and no NaN. Each
+call prints its time and kimi_cg.counters (``-rP`` shows them); a failure message carries them too.
+Whole module: about 3 minutes on 2 CPU cores.
+
+The last test checks that a kimi_cg compile leaves other torch.compile users alone (their outputs and
+the dynamo settings they see), in a fresh interpreter so that nothing earlier in the test run counts.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import kimi_cg
+from towers import Tower, TowerUnavailable
+from towers.transformers_towers import FACTORIES as TRANSFORMERS_FACTORIES
+from towers.upstream_moonvit import build_upstream_moonvit
+
+RELATIVE_TOLERANCE = 1e-5  # fp32: max |compiled - eager| / max |eager|, per output tensor
+SEED = 0
+
+# Three grids per tower: one item; two items; two items again with other sizes (the second trace of an
+# item count must not specialise on sizes), there with a video chunk where the tower takes them.
+# [t, h, w] rows, h and w even (merge size 2); the learned position grids are 8 x 8, so sizes above 8
+# resample upwards. Qwen's t counts temporal patches (each row packs 2 frames).
+GRIDS = {
+    "kimi_k25": [
+        [[1, 4, 6]],
+        [[1, 4, 4], [1, 6, 2]],
+        [[4, 2, 4], [1, 10, 4]],  # a 4-frame video chunk and an image
+    ],
+    "qwen2_vl": [
+        [[1, 4, 6]],
+        [[1, 4, 4], [1, 6, 2]],
+        [[2, 2, 4], [1, 10, 4]],  # a video of 2 temporal patches (4 frames) and an image
+    ],
+    # Windows of 2 x 2 merged tokens (4 x 4 patches): 4 x 6, 6 x 2 and 6 x 4 leave partial windows.
+    # Kept small: the tower unrolls a per-window loop in both attention layers' split path.
+    "qwen2_5_vl": [
+        [[1, 4, 6]],
+        [[1, 4, 4], [1, 6, 2]],
+        [[2, 4, 4], [1, 6, 4]],
+    ],
+    # GLM-4V takes one [1, h, w] row per frame: the last grid is a 2-frame video.
+    "glm4v": [
+        [[1, 4, 6]],
+        [[1, 4, 4], [1, 6, 2]],
+        [[1, 12, 10], [1, 12, 10]],
+    ],
+    # [h, w] rows (Kimi-VL has images only).
+    "upstream_moonvit": [
+        [[4, 6]],
+        [[4, 4], [6, 2]],
+        [[2, 8], [10, 4]],
+    ],
+}
+
+CASES = [
+    pytest.param(TRANSFORMERS_FACTORIES[name], name, attn, id=f"{name}-{attn}")
+    for name in ("kimi_k25", "qwen2_vl", "qwen2_5_vl", "glm4v")
+    for attn in ("sdpa", "eager")
+] + [
+    pytest.param(build_upstream_moonvit, "upstream_moonvit", attn, id=f"upstream_moonvit-{attn}")
+    for attn in ("eager", "sdpa", "flash_attention_2")
+]
+
+
+@pytest.fixture(autouse=True)
+def fresh_compiler_per_tower():
+    """Each tower starts with an empty dynamo cache and zeroed kimi_cg counters and caches (in this order:
+    torch._dynamo.reset() drops the compile callbacks kimi_cg.reset() installs)."""
+    torch._dynamo.reset()
+    kimi_cg.reset()
+    yield
+    torch._dynamo.reset()
+    kimi_cg.reset()
+
+
+def build_tower(factory, attn_implementation: str) -> Tower:
+    try:
+        return factory(attn_implementation, seed=SEED)
+    except TowerUnavailable as reason:
+        pytest.skip(str(reason))
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    scale = want.double().abs().max().item()
+    return (got.double() - want.double()).abs().max().item() / max(scale, torch.finfo(torch.float32).tiny)
+
+
+@pytest.mark.parametrize("factory, tower_name, attn_implementation", CASES)
+def test_compiled_tower_matches_eager(factory, tower_name, attn_implementation):
+    tower = build_tower(factory, attn_implementation)
+    inputs = [tower.make_inputs(grid) for grid in GRIDS[tower_name]]
+    # Eager first, on every grid: a failure here is a wrong input, not a compiler bug.
+    with torch.no_grad():
+        expected = [tower.extract_outputs(tower.model(*args)) for args in inputs]
+
+    compiled = torch.compile(tower.model, backend="kimi_cg")
+    for grid, args, want in zip(GRIDS[tower_name], inputs, expected):
+        started = time.perf_counter()
+        try:
+            with torch.no_grad():
+                got = tower.extract_outputs(compiled(*args))
+        except Exception as error:
+            error.add_note(f"{tower.name} grid {grid}: kimi_cg.counters {dict(kimi_cg.counters)}")
+            raise
+        where = f"{tower.name} grid {grid} ({time.perf_counter() - started:.1f} s): kimi_cg.counters {dict(kimi_cg.counters)}"
+        assert len(got) == len(want), f"{len(got)} outputs, eager has {len(want)}; {where}"
+        worst = 0.0
+        for index, (got_tensor, want_tensor) in enumerate(zip(got, want)):
+            assert got_tensor.shape == want_tensor.shape and got_tensor.dtype == want_tensor.dtype, (
+                f"output {index}: {tuple(got_tensor.shape)} {got_tensor.dtype}, eager "
+                f"{tuple(want_tensor.shape)} {want_tensor.dtype}; {where}"
+            )
+            assert not torch.isnan(got_tensor).any(), f"output {index} has NaN; {where}"
+            error = relative_error(got_tensor, want_tensor)
+            assert error <= RELATIVE_TOLERANCE, f"output {index}: relative error {error:.3e}; {where}"
+            worst = max(worst, error)
+        print(f"{where}: worst relative error {worst:.2e}")  # shown with -rP or -s
+
+
+# Two models other torch.compile users write: per-piece loops over host lists made with .tolist().
+# They run under backend="eager" and "inductor" before a kimi_cg compile, after it (compiled before and
+# called after, and compiled afresh), and in a worker thread after a kimi_cg compile there; outputs must
+# match plain eager, the kimi_cg calls too, and the dynamo settings must read as they did before.
+OTHER_COMPILES_SCRIPT = textwrap.dedent(
+    """
+    import json, threading
+    import torch
+
+    FLAGS = ("capture_scalar_outputs", "capture_dynamic_output_shape_ops")
+
+    def flags():
+        return {name: getattr(torch._dynamo.config, name) for name in FLAGS}
+
+    class SplitPieces(torch.nn.Module):
+        def forward(self, x, lengths):
+            pieces = torch.split(x, lengths.tolist())
+            return torch.cat([piece.softmax(dim=0) * (index + 1) for index, piece in enumerate(pieces)])
+
+    class ExtendBounds(torch.nn.Module):
+        def forward(self, x, lengths):
+            bounds = [0]
+            bounds.extend(lengths.cumsum(0).tolist())
+            return torch.stack([x[start:end].sum(dim=0) for start, end in zip(bounds, bounds[1:])])
+
+    generator = torch.Generator().manual_seed(0)
+    CALLS = [
+        (torch.randn(9, 5, generator=generator), torch.tensor([2, 3, 4])),
+        (torch.randn(11, 5, generator=generator), torch.tensor([6, 1, 4])),
+    ]
+    MODELS = {"split": SplitPieces(), "extend": ExtendBounds()}
+    EXPECTED = {name: [model(*args) for args in CALLS] for name, model in MODELS.items()}
+
+    def run_compiles(tag, report, compiled_store=None):
+        for backend in ("eager", "inductor"):
+            for name, model in MODELS.items():
+                key = f"{tag}/{backend}/{name}"
+                try:
+                    compiled = torch.compile(model, backend=backend)
+                    errors = [
+                        (compiled(*args) - want).abs().max().item() / want.abs().max().item()
+                        for args, want in zip(CALLS, EXPECTED[name])
+                    ]
+                    report[key] = {"relative_errors": errors}
+                    if compiled_store is not None:
+                        compiled_store[(backend, name)] = compiled
+                except Exception as error:
+                    report[key] = {"exception": f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"}
+
+    report = {"flags_before": flags()}
+    compiled_before = {}
+    run_compiles("before", report, compiled_before)
+
+    def kimi_cg_compile_and_call(tag):
+        from kimi_cg.models.moonvit import MoonVitConfig, MoonVitPretrainedModel
+        tower = MoonVitPretrainedModel(MoonVitConfig.tiny(num_hidden_layers=1)).eval()
+        grid = torch.tensor([[4, 6], [2, 2]])
+        pixels = torch.randn(int(grid.prod(-1).sum()), 3, 14, 14, generator=generator)
+        with torch.no_grad():
+            want = torch.cat([t.flatten() for t in tower(pixels, grid)])
+            got = torch.cat([t.flatten() for t in torch.compile(tower, backend="kimi_cg")(pixels, grid)])
+        report[f"{tag}_kimi_cg_relative_error"] = (got - want).abs().max().item() / want.abs().max().item()
+
+    kimi_cg_compile_and_call("main")
+    report["flags_after_kimi_cg"] = flags()
+
+    for (backend, name), compiled in compiled_before.items():  # compiled before, called after
+        key = f"cached/{backend}/{name}"
+        try:
+            report[key] = {"relative_errors": [
+                (compiled(*args) - want).abs().max().item() / want.abs().max().item()
+                for args, want in zip(CALLS, EXPECTED[name])
+            ]}
+        except Exception as error:
+            report[key] = {"exception": f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"}
+
+    torch._dynamo.reset()  # fresh traces, under whatever settings are now in force
+    run_compiles("after", report)
+
+    def in_thread():  # torch 2.13 keeps dynamo config per thread: a worker starts from the defaults
+        try:
+            report["flags_in_thread_before_kimi_cg"] = flags()
+            kimi_cg_compile_and_call("thread")
+            report["flags_in_thread_after_kimi_cg"] = flags()
+            torch._dynamo.reset()
+            run_compiles("thread", report)
+        except Exception as error:
+            report["thread_exception"] = f"{type(error).__name__}: {error}"
+
+    worker = threading.Thread(target=in_thread)
+    worker.start()
+    worker.join()
+    import kimi_cg
+    report["kimi_cg_counters"] = dict(kimi_cg.counters)
+    print("REPORT " + json.dumps(report))
+    """
+)
+
+
+def test_other_compiles_unaffected_by_kimi_cg():
+    result = subprocess.run(
+        [sys.executable, "-c", OTHER_COMPILES_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    lines = [line for line in result.stdout.splitlines() if line.startswith("REPORT ")]
+    assert result.returncode == 0 and lines, f"exit {result.returncode}; stderr tail:\n{result.stderr[-3000:]}"
+    report = json.loads(lines[-1][len("REPORT ") :])
+
+    problems = []
+    if report.get("thread_exception"):
+        problems.append(f"worker thread: {report['thread_exception']}")
+    for key, outcome in sorted(report.items()):
+        if not isinstance(outcome, dict) or "relative_errors" not in outcome and "exception" not in outcome:
+            continue
+        if "exception" in outcome:
+            problems.append(f"{key}: {outcome['exception']}")
+        elif not all(error <= RELATIVE_TOLERANCE for error in outcome["relative_errors"]):  # NaN fails
+            problems.append(f"{key}: relative errors {outcome['relative_errors']}")
+    for where in ("main", "thread"):
+        error = report.get(f"{where}_kimi_cg_relative_error")
+        if error is None or not error <= RELATIVE_TOLERANCE:  # None: the thread died first; NaN fails too
+            problems.append(f"the kimi_cg compile itself ({where} thread): relative error {error}")
+    for when in ("flags_after_kimi_cg", "flags_in_thread_before_kimi_cg", "flags_in_thread_after_kimi_cg"):
+        if report.get(when) != report["flags_before"]:
+            problems.append(f"dynamo settings {when}: {report.get(when)}, before kimi_cg: {report['flags_before']}")
+    assert not problems, "other torch.compile users are affected:\n" + "\n".join(problems) + (
+        f"\nkimi_cg.counters {report.get('kimi_cg_counters')}"
+    )

@@ -1,0 +1,189 @@
+"""transformers' vision towers, tiny and random, exactly as the library ships their forward.
+
+Each ``build_*`` factory takes an attention implementation name (``"sdpa"`` or ``"eager"``; both run
+the per-segment ``torch.split(..., lengths.tolist())`` path of these towers, flash attention needs the
+flash-attn package) and a seed, and returns a :class:`tests.towers.Tower`. Models are built with
+``Model._from_config(Config(...), attn_implementation=...)``: no weights are downloaded.
+
+Input conventions (read from transformers 5.17 and 5.24, which agree on them):
+
+- Kimi-K2.5 (``Kimi_K25VisionModel(pixel_values [L, 3, p, p], grid_thw [N, 3])``): ``L = sum t*h*w``;
+  an image is ``t == 1``, a video chunk has ``1 < t <= pos_emb_time`` frames that attend jointly; h and
+  w are multiples of the merge kernel (2); h, w may exceed the learned grid (it is resampled).
+- Qwen2-VL, Qwen2.5-VL, GLM-4V (``(hidden_states [L, C*Tp*p*p], grid_thw [N, 3])``): each row is one
+  patch of ``temporal_patch_size`` frames, ``L = sum t*h*w`` with t counted in temporal patches;
+  h and w are multiples of ``spatial_merge_size`` (2), and patches come in merge-block order (the
+  processor's layout; for random pixels only the count matters). Qwen attends per frame (t segments per
+  item); Qwen2.5 also attends within windows of ``window_size // merge // patch`` merged tokens a side.
+- GLM-4V: images only (``t == 1``). Its position embedding maps each token to a grid row through the
+  per-frame segment lengths, so a ``t > 1`` row indexes past the grid; GLM-4.1V's own video path passes
+  one ``[1, h, w]`` row per frame, and so do the grids here.
+
+Config fields used are the ones both transformers 5.17 and 5.24 accept (``depth`` / ``num_heads``, not
+the ``num_hidden_layers`` alias that only 5.24 maps).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Sequence
+
+import torch
+
+from . import Tower, TowerUnavailable, randomize_weights_, tensors_of
+
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
+
+# Shared tiny sizes: head dim 16 (the 2D rotary embeddings need a multiple of 4), patches of 2 pixels.
+HIDDEN, HEADS, LAYERS, INTERMEDIATE, OUT_HIDDEN, PATCH, TEMPORAL_PATCH, MERGE = 64, 4, 2, 96, 48, 2, 2, 2
+
+
+def _load(model_name: str, config_class_name: str, model_class_name: str):
+    """(config class, model class) from ``transformers.models.<model_name>``'s configuration and modeling
+    files (vision classes are not all re-exported by the package), or TowerUnavailable saying what lacks."""
+    import transformers
+
+    classes = []
+    for kind, class_name in (("configuration", config_class_name), ("modeling", model_class_name)):
+        module_name = f"transformers.models.{model_name}.{kind}_{model_name}"
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as error:
+            raise TowerUnavailable(f"transformers {transformers.__version__} has no {module_name}: {error}") from None
+        if not hasattr(module, class_name):
+            raise TowerUnavailable(f"transformers {transformers.__version__} {module_name} lacks {class_name}")
+        classes.append(getattr(module, class_name))
+    return classes
+
+
+def _build(model_class, config, attn_implementation: str, seed: int):
+    if attn_implementation not in ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(f"attn_implementation must be one of {ATTENTION_IMPLEMENTATIONS}; got {attn_implementation!r}")
+    torch.manual_seed(seed)
+    model = model_class._from_config(config, attn_implementation=attn_implementation).to(torch.float32)
+    if model.config._attn_implementation != attn_implementation:
+        raise AssertionError(f"asked for {attn_implementation}, got {model.config._attn_implementation}")
+    return randomize_weights_(model, seed).eval()
+
+
+def _grid_tensor(grid: Sequence[Sequence[int]]) -> torch.Tensor:
+    grid_thw = torch.tensor(grid, dtype=torch.int64)
+    if grid_thw.dim() != 2 or grid_thw.size(1) != 3:
+        raise ValueError(f"grid rows must be [t, h, w]; got {grid}")
+    if bool((grid_thw[:, 1:] % MERGE).any()):
+        raise ValueError(f"h and w must be multiples of the merge size {MERGE}; got {grid}")
+    return grid_thw
+
+
+def _qwen_style_inputs(in_channels: int, seed: int):
+    """(hidden_states [L, C*Tp*p*p], grid_thw [N, 3]) for the Qwen / GLM flattened-patch convention."""
+
+    def make_inputs(grid: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        grid_thw = _grid_tensor(grid)
+        rows = int(grid_thw.prod(dim=-1).sum())
+        generator = torch.Generator().manual_seed(seed + rows)
+        pixels = torch.randn(rows, in_channels * TEMPORAL_PATCH * PATCH * PATCH, generator=generator)
+        return pixels, grid_thw
+
+    return make_inputs
+
+
+def build_kimi_k25(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
+    """transformers' Kimi-K2.5 vision tower (MoonViT3d): images (t == 1) and video chunks (t <= 4)."""
+    config_class, model_class = _load("kimi_k25", "Kimi_K25VisionConfig", "Kimi_K25VisionModel")
+    config = config_class(
+        patch_size=PATCH,
+        pos_emb_height=8,
+        pos_emb_width=8,
+        pos_emb_time=4,
+        num_attention_heads=HEADS,
+        num_hidden_layers=LAYERS,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        merge_kernel_size=[MERGE, MERGE],
+    )
+    model = _build(model_class, config, attn_implementation, seed)
+
+    def make_inputs(grid: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        grid_thw = _grid_tensor(grid)
+        if bool((grid_thw[:, 0] > config.pos_emb_time).any()):
+            raise ValueError(f"video chunks have at most {config.pos_emb_time} frames; got {grid}")
+        rows = int(grid_thw.prod(dim=-1).sum())
+        generator = torch.Generator().manual_seed(seed + rows)
+        return torch.randn(rows, 3, PATCH, PATCH, generator=generator), grid_thw
+
+    return Tower(f"kimi_k25[{attn_implementation}]", model, make_inputs, tensors_of)
+
+
+def build_qwen2_vl(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
+    """transformers' Qwen2-VL vision tower: per-frame attention, a LayerNorm + MLP patch merger."""
+    config_class, model_class = _load("qwen2_vl", "Qwen2VLVisionConfig", "Qwen2VisionTransformerPretrainedModel")
+    config = config_class(
+        depth=LAYERS,
+        embed_dim=HIDDEN,
+        hidden_size=OUT_HIDDEN,  # Qwen2-VL's hidden_size is the merger's output (the LLM's width)
+        mlp_ratio=2,
+        num_heads=HEADS,
+        in_channels=3,
+        patch_size=PATCH,
+        spatial_merge_size=MERGE,
+        temporal_patch_size=TEMPORAL_PATCH,
+    )
+    model = _build(model_class, config, attn_implementation, seed)
+    return Tower(f"qwen2_vl[{attn_implementation}]", model, _qwen_style_inputs(3, seed), tensors_of)
+
+
+def build_qwen2_5_vl(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
+    """transformers' Qwen2.5-VL vision tower: window attention (2x2 merged tokens, i.e. 4x4 patches, per
+    window) in layer 0, full attention in layer 1, and the window permutation undone after the merger."""
+    config_class, model_class = _load("qwen2_5_vl", "Qwen2_5_VLVisionConfig", "Qwen2_5_VisionTransformerPretrainedModel")
+    config = config_class(
+        depth=LAYERS,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        out_hidden_size=OUT_HIDDEN,
+        num_heads=HEADS,
+        in_channels=3,
+        patch_size=PATCH,
+        spatial_merge_size=MERGE,
+        temporal_patch_size=TEMPORAL_PATCH,
+        window_size=2 * MERGE * PATCH,  # in pixels: 2 merged tokens a side
+        fullatt_block_indexes=[LAYERS - 1],
+    )
+    model = _build(model_class, config, attn_implementation, seed)
+    return Tower(f"qwen2_5_vl[{attn_implementation}]", model, _qwen_style_inputs(3, seed), tensors_of)
+
+
+def build_glm4v(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
+    """transformers' GLM-4V (GLM-4.1V) vision tower: a learned 8x8 position table resampled per token
+    with bicubic ``grid_sample``, RMSNorm blocks, a strided-conv downsample and a gated merger."""
+    config_class, model_class = _load("glm4v", "Glm4vVisionConfig", "Glm4vVisionModel")
+    config = config_class(
+        depth=LAYERS,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        out_hidden_size=OUT_HIDDEN,
+        num_heads=HEADS,
+        in_channels=3,
+        image_size=8 * PATCH,  # an 8x8 learned position table
+        patch_size=PATCH,
+        spatial_merge_size=MERGE,
+        temporal_patch_size=TEMPORAL_PATCH,
+    )
+    model = _build(model_class, config, attn_implementation, seed)
+    qwen_inputs = _qwen_style_inputs(3, seed)
+
+    def make_inputs(grid: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        if any(row[0] != 1 for row in grid):
+            raise ValueError(f"GLM-4V takes one [1, h, w] row per frame (see the module docstring); got {grid}")
+        return qwen_inputs(grid)
+
+    return Tower(f"glm4v[{attn_implementation}]", model, make_inputs, tensors_of)
+
+
+FACTORIES = {
+    "kimi_k25": build_kimi_k25,
+    "qwen2_vl": build_qwen2_vl,
+    "qwen2_5_vl": build_qwen2_5_vl,
+    "glm4v": build_glm4v,
+}
