@@ -39,7 +39,11 @@ def _resolve_compiler(config: KimiCGConfig, example_inputs) -> str:
 def kimi_cg_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None, mode: str | None = None, **_):
     start = time.perf_counter()
     try:
-        return _compile_graph(gm, example_inputs, KimiCGConfig.from_options(options))
+        try:
+            config = KimiCGConfig.from_options(options)
+        except ValueError as error:
+            return _raise_when_called(error)  # the caller's mistake, in its own class (not BackendCompilerFailed)
+        return _compile_graph(gm, example_inputs, config)
     finally:
         timings["backend"] += time.perf_counter() - start
 
@@ -97,15 +101,24 @@ def _unlifted(gm: torch.fx.GraphModule, error: Exception, config: KimiCGConfig):
         reason, detail = f"internal error ({type(error).__name__})", f"{type(error).__name__}: {error}"
         logger.debug("kimi_cg: internal error while lifting", exc_info=True)
     if config.strict:
-        def raise_unsupported(*args):
-            if isinstance(error, UnsupportedGraphError):
-                raise error
-            raise UnsupportedGraphError(f"kimi_cg could not lift this graph: {detail}", reason) from error
-
-        return raise_unsupported
+        if not isinstance(error, UnsupportedGraphError):
+            unsupported = UnsupportedGraphError(f"kimi_cg could not lift this graph: {detail}", reason)
+            unsupported.__cause__ = error
+            error = unsupported
+        return _raise_when_called(error)
     counters["lift_fallbacks"] += 1
     record_fallback(reason, getattr(error, "where", None) or _first_user_location(gm), detail, "this graph runs unlifted")
     return gm.forward
+
+
+def _raise_when_called(error: Exception):
+    """A compiled graph that raises ``error`` when called: dynamo would wrap an error raised by the
+    backend in BackendCompilerFailed, hiding kimi_cg's class from the caller."""
+
+    def raise_error(*args):
+        raise error
+
+    return raise_error
 
 
 def _first_user_location(gm: torch.fx.GraphModule) -> str:
