@@ -41,7 +41,9 @@ GRIDS = {
     "kimi_k25": [
         [[1, 4, 6]],
         [[1, 4, 4], [1, 6, 2]],
-        [[4, 2, 4], [1, 10, 4]],  # a 4-frame video chunk and an image
+        # Two 4-frame video chunks: transformers 5.17's temporal merger concatenates per-chunk index
+        # rows [h*w/4, t, 4], so eager itself rejects a batch mixing t (5.24 accepts it).
+        [[4, 2, 4], [4, 6, 2]],
     ],
     "qwen2_vl": [
         [[1, 4, 6]],

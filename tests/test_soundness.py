@@ -208,3 +208,26 @@ def test_in_place_write_to_module_state_falls_back():
         for a, b in zip(compiled(x, grid_tensor), eager_model(x, grid_tensor)):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert compiled_model.calls.item() == eager_model.calls.item() == len(GRIDS)
+
+
+class ReturnsGridMetadata(torch.nn.Module):
+    """Returns a host-made tensor (cu_seqlens) beside the activations: found by the program fuzzer."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x, grid):
+        return self.lin(x), F.pad((grid[:, 0] * grid[:, 1]).cumsum(0), (1, 0))
+
+
+def test_an_output_the_caller_writes_does_not_change_a_later_call():
+    torch.manual_seed(0)
+    model = ReturnsGridMetadata()
+    compiled = torch.compile(model, backend="kimi_cg")
+    x, grid = torch.randn(13, 8), torch.tensor([[1, 8], [5, 1]])
+    first = compiled(x, grid)
+    first[1].fill_(-7)  # the caller owns what it gets back
+    second = compiled(x, grid)  # same grid: the host pass is served from the batch cache
+    torch.testing.assert_close(second[1], model(x, grid)[1], rtol=0, atol=0)
+    assert second[1].data_ptr() != first[1].data_ptr()

@@ -108,7 +108,15 @@ class LiftedRunner:
         results["device"] = self._run_device(device_args)
         if self.post_refs or self.lifted.post.outputs:
             results["post"] = self.lifted.post.gm(*(self._resolve(ref, args, results) for ref in self.post_refs))
-        return tuple(self._resolve(ref, args, results) for ref in self.output_refs)
+        return tuple(self._output(ref, args, results) for ref in self.output_refs)
+
+    def _output(self, ref: ValueRef, args, results):
+        value = self._resolve(ref, args, results)
+        # Host values are cached across calls (NOTE [batch metadata cache], NOTE [per-item metadata
+        # cache]): the caller gets its own copy, which it may write without changing a later call.
+        if ref.program == "host" and isinstance(value, torch.Tensor):
+            return value.clone()
+        return value
 
     def _run_device(self, device_args):
         if self.graphs_for is not None:
