@@ -231,3 +231,12 @@ def test_an_output_the_caller_writes_does_not_change_a_later_call():
     second = compiled(x, grid)  # same grid: the host pass is served from the batch cache
     torch.testing.assert_close(second[1], model(x, grid)[1], rtol=0, atol=0)
     assert second[1].data_ptr() != first[1].data_ptr()
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_a_dense_host_mask_on_the_bucketed_path_matches_eager(dynamic):
+    """A [1, L, L] mask made on the host cannot be padded by rows: such calls run unbucketed."""
+    torch.manual_seed(0)
+    _assert_matches_eager(MaskFilledInPlace("sdpa_scale"), GRIDS,
+                          options={"cuda_graphs": True, "token_budgets": [16, 64]}, dynamic=dynamic)
+    assert kimi_cg.counters["call_fallbacks"] == 0  # planned (unbucketed), not a failure caught at run time

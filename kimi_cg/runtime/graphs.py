@@ -47,7 +47,7 @@ def _packet(target):
 
 @dataclasses.dataclass(frozen=True)
 class InputRule:
-    kind: str  # "rows", "size", "static", "cu_seqlens", "plan_index", "plan_weight"
+    kind: str  # "rows", "size", "static", "cu_seqlens", "plan_index", "plan_weight", "unpadded"
 
 
 def input_rules(program: DeviceProgram, kinds: list[str]) -> list[InputRule]:
@@ -70,9 +70,18 @@ def input_rules(program: DeviceProgram, kinds: list[str]) -> list[InputRule]:
                 rules.append(InputRule("plan_weight"))
             elif (_VARLEN, 3) in uses:
                 rules.append(InputRule("cu_seqlens"))
+            elif _has_symbolic_trailing_dims(node):
+                # e.g. a dense [L, L] mask or bias made on the host: padding its rows alone would not
+                # fit the bucket; such calls run the plain device program (correct, not graphed).
+                rules.append(InputRule("unpadded"))
             else:
                 rules.append(InputRule("rows"))
     return rules
+
+
+def _has_symbolic_trailing_dims(node: torch.fx.Node) -> bool:
+    value = node.meta.get("example_value", node.meta.get("val"))
+    return isinstance(value, torch.Tensor) and any(not isinstance(size, int) for size in value.shape[1:])
 
 
 @dataclasses.dataclass
@@ -128,6 +137,8 @@ class BucketedGraphs:
         needed = rows
         for i, rule in self.padded:
             value = inputs[i]
+            if rule.kind == "unpadded":
+                return None
             if rule.kind == "cu_seqlens" and value.shape[0] > self.max_segments:
                 return None
             if rule.kind in ("plan_index", "plan_weight"):
@@ -146,7 +157,7 @@ class BucketedGraphs:
         rows (rebased). Without, items are packed greedily in call order and each part's inputs are
         slices. Returns None when the inputs do not decompose into items (then the call runs unsplit)."""
         cu_positions = [i for i, r in enumerate(self.rules) if r.kind == "cu_seqlens"]
-        if not cu_positions:
+        if not cu_positions or any(r.kind == "unpadded" for r in self.rules):
             return None
         cu = inputs[cu_positions[0]]
         if any(not torch.equal(inputs[i].cpu(), cu.cpu()) for i in cu_positions[1:]):
