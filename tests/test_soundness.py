@@ -56,6 +56,8 @@ class MaskFilledInPlace(torch.nn.Module):
         q = self.lin(x).view(1, length, 2, 4).transpose(1, 2)
         if self.attention == "sdpa_scale":
             out = F.scaled_dot_product_attention(q, q, q, mask, scale=0.5)
+        elif self.attention == "sdpa_scale_2d":  # an [L, L] mask, broadcast over heads
+            out = F.scaled_dot_product_attention(q, q, q, mask[0], scale=0.5)
         else:  # a hand-written softmax attention under the mask (upstream Kimi-VL's eager path, masking fixed)
             scores = (q @ q.transpose(-1, -2)) * 0.5
             out = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ q
@@ -237,6 +239,6 @@ def test_an_output_the_caller_writes_does_not_change_a_later_call():
 def test_a_dense_host_mask_on_the_bucketed_path_matches_eager(dynamic):
     """A [1, L, L] mask made on the host cannot be padded by rows: such calls run unbucketed."""
     torch.manual_seed(0)
-    _assert_matches_eager(MaskFilledInPlace("sdpa_scale"), GRIDS,
+    _assert_matches_eager(MaskFilledInPlace("sdpa_scale_2d"), GRIDS,
                           options={"cuda_graphs": True, "token_budgets": [16, 64]}, dynamic=dynamic)
     assert kimi_cg.counters["call_fallbacks"] == 0  # planned (unbucketed), not a failure caught at run time
