@@ -242,3 +242,19 @@ def test_a_dense_host_mask_on_the_bucketed_path_matches_eager(dynamic):
     _assert_matches_eager(MaskFilledInPlace("sdpa_scale_2d"), GRIDS,
                           options={"cuda_graphs": True, "token_budgets": [16, 64]}, dynamic=dynamic)
     assert kimi_cg.counters["call_fallbacks"] == 0  # planned (unbucketed), not a failure caught at run time
+
+
+class ViewBeforeAWrite(torch.nn.Module):
+    """A per-item slice of a tensor that is written in place afterwards (found by the program fuzzer):
+    the slice must see the write, so it cannot become a gather copied earlier."""
+
+    def forward(self, x, grid):
+        sizes = (grid[:, 0] * grid[:, 1]).tolist()
+        y = x.clone()
+        first = y[:sizes[0]]
+        y.mul_(2.0)
+        return y + first.mean(0)
+
+
+def test_a_slice_taken_before_an_in_place_write_sees_the_write():
+    _assert_matches_eager(ViewBeforeAWrite(), GRIDS)

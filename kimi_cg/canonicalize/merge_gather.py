@@ -34,6 +34,7 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 import kimi_cg.ops  # noqa: F401  (registers torch.ops.kimi_cg.*)
+from kimi_cg.aliasing import Aliasing
 from kimi_cg.capture import example_value
 from kimi_cg.canonicalize.base import GraphPass, stable_topological_sort
 from kimi_cg.errors import UnsupportedGraphError
@@ -113,10 +114,13 @@ class MergeGatherPass(GraphPass):
         graph = gm.graph
         activation = activation_dependent_nodes(graph)
         post = output_view_nodes(graph, activation)
+        # A view of storage written in place reads whatever the write left, when it is read; a
+        # gather would copy it at another time (NOTE [mutation and lifting]): left as it is.
+        mutated = Aliasing(graph).mutated
         region: list[torch.fx.Node] = []
         in_region: set[torch.fx.Node] = set()
         for node in graph.nodes:
-            if node not in activation or node in post or _row_function(node) is None:
+            if node not in activation or node in post or node in mutated or _row_function(node) is None:
                 continue
             # A root slices a tensor of known (backed) shape into grid-dependent pieces; the region
             # then grows through movement ops on region values only.
