@@ -19,7 +19,7 @@ from kimi_cg.canonicalize import FuseGatherLayerNormPass, MergeGatherPass, RealR
 from kimi_cg.config import KimiCGConfig
 from kimi_cg.counters import counters, timings
 from kimi_cg.device_program import get_device_program
-from kimi_cg.errors import UnsupportedGraphError
+from kimi_cg.errors import InvalidInputError, UnsupportedGraphError
 from kimi_cg.host_program import HostProgram
 from kimi_cg.fallback import record_fallback
 from kimi_cg.lift import source_location, split
@@ -61,7 +61,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, config: KimiCGConfi
     activations = [item.index for item in inputs if item.role is capture.InputRole.ACTIVATION]
     if not activations or not any(item.role is capture.InputRole.GRID for item in inputs):
         logger.info("kimi_cg: graph %d has no activation/grid inputs; running it unchanged", graph_id)
-        return gm.forward
+        return _run_captured(gm)
     try:
         # The passes rewrite a copy: dynamo's graph stays pristine, to run when lifting fails.
         return _lift(capture.working_copy(gm), gm, inputs, activations, example_inputs, config, debug_dir)
@@ -108,7 +108,25 @@ def _unlifted(gm: torch.fx.GraphModule, error: Exception, config: KimiCGConfig):
         return _raise_when_called(error)
     counters["lift_fallbacks"] += 1
     record_fallback(reason, getattr(error, "where", None) or _first_user_location(gm), detail, "this graph runs unlifted")
-    return gm.forward
+    return _run_captured(gm)
+
+
+def _run_captured(gm: torch.fx.GraphModule):
+    """The captured graph as the call's program. A runtime assertion dynamo put into it (a check on
+    a data-dependent size, failing before the op eager would fail in) is the caller's error:
+    InvalidInputError, still the RuntimeError it was (NOTE [errors by who must act])."""
+    forward = gm.forward
+
+    def run(*args):
+        try:
+            return forward(*args)
+        except RuntimeError as error:
+            if "Runtime assertion failed" not in str(error) or isinstance(error, InvalidInputError):
+                raise
+            counters["invalid_inputs"] += 1
+            raise InvalidInputError.like(f"kimi_cg: invalid input: {error}", error) from error
+
+    return run
 
 
 def _raise_when_called(error: Exception):
