@@ -4,7 +4,10 @@ NOTE [errors by who must act]
 - ``InvalidInputError``: the call's inputs violate a check the model itself enforces. kimi_cg raises
   it only after running the captured graph unchanged on the same inputs and seeing it fail too, so
   eager would have raised as well; the error is an instance of both ``InvalidInputError`` and the
-  class the captured graph raised (``except AssertionError`` written for eager keeps working).
+  class the captured graph raised (``except AssertionError`` written for eager keeps working). One
+  difference from eager remains: where dynamo put a runtime assertion on a data-dependent size into
+  the captured graph, that check fails before the op eager would fail in, so the error is an
+  InvalidInputError and a RuntimeError even where eager raised, say, an IndexError.
 - ``UnsupportedGraphError``: kimi_cg cannot lift a graph or a call (a compiler limit, or a model
   pattern it does not know). By default this is never raised: the graph or the call runs the
   captured graph unchanged (correct, with its host syncs), counted in ``kimi_cg.fallbacks`` by
