@@ -43,6 +43,11 @@ def _is_tensor_node(value) -> bool:
     return isinstance(value, torch.fx.Node) and isinstance(example_value(value), torch.Tensor)
 
 
+# The in-place dunders as methods (``x.__iadd__(y)``, as some dynamo versions record ``x += y``).
+_IN_PLACE_DUNDERS = {f"__{name}__" for name in ("setitem", "iadd", "isub", "imul", "itruediv", "ifloordiv", "imod",
+                                                 "ipow", "iand", "ior", "ixor", "ilshift", "irshift", "imatmul")}
+
+
 def _target_name(node: torch.fx.Node) -> str:
     if node.op == "call_method":
         return node.target
@@ -70,7 +75,7 @@ def written_arguments(node: torch.fx.Node) -> list[torch.fx.Node]:
     else:
         name = _target_name(node)
         # torch's in-place convention: add_, index_put_, copy_, masked_fill_, nn.init.zeros_, _foreach_mul_.
-        if name.endswith("_") and not name.endswith("__"):
+        if (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDERS:
             written += list(first) if isinstance(first, (tuple, list)) else [first]
         if node.kwargs.get("inplace") is True:
             written.append(first)

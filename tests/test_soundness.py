@@ -258,3 +258,22 @@ class ViewBeforeAWrite(torch.nn.Module):
 
 def test_a_slice_taken_before_an_in_place_write_sees_the_write():
     _assert_matches_eager(ViewBeforeAWrite(), GRIDS)
+
+
+class ViewsAcrossAGraphBreak(torch.nn.Module):
+    """A buffer and a view of it returned by the graph before a break, written and read after it (how
+    dynamo 2.11 splits `buf[:n] += x[:n]`; found by the program fuzzer on the H200): the outputs must
+    alias as they did in eager."""
+
+    def forward(self, x, grid):
+        x = x * 2
+        n = int(grid[0].prod())
+        buf = torch.zeros(x.shape[0], 8)
+        first = buf[:n]
+        torch._dynamo.graph_break()
+        buf[:n] += x[:n]
+        return x + buf + first.mean(0)
+
+
+def test_outputs_that_alias_each_other_still_alias():
+    _assert_matches_eager(ViewsAcrossAGraphBreak(), GRIDS)

@@ -6,6 +6,8 @@ import logging
 import weakref
 
 import torch
+import torch.fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from kimi_cg.counters import counters
 from kimi_cg.errors import InvalidInputError, UnsupportedGraphError
@@ -47,6 +49,7 @@ class LiftedRunner:
         self.post_refs = lifted.post.inputs
         self.output_refs = lifted.outputs
         self.graphs_for = graphs_for  # device inputs -> BucketedGraphs (shared by equal programs)
+        self.copied_outputs = _host_outputs_to_copy(lifted, host)
         self.graphs: BucketedGraphs | None = None
         _LIVE_RUNNERS.add(self)
 
@@ -108,15 +111,10 @@ class LiftedRunner:
         results["device"] = self._run_device(device_args)
         if self.post_refs or self.lifted.post.outputs:
             results["post"] = self.lifted.post.gm(*(self._resolve(ref, args, results) for ref in self.post_refs))
-        return tuple(self._output(ref, args, results) for ref in self.output_refs)
-
-    def _output(self, ref: ValueRef, args, results):
-        value = self._resolve(ref, args, results)
-        # Host values are cached across calls (NOTE [batch metadata cache], NOTE [per-item metadata
-        # cache]): the caller gets its own copy, which it may write without changing a later call.
-        if ref.program == "host" and isinstance(value, torch.Tensor):
-            return value.clone()
-        return value
+        outputs = [self._resolve(ref, args, results) for ref in self.output_refs]
+        if self.copied_outputs:
+            _copy_keeping_aliases(outputs, self.copied_outputs)
+        return tuple(outputs)
 
     def _run_device(self, device_args):
         if self.graphs_for is not None:
@@ -190,3 +188,44 @@ class LiftedRunner:
                 return None  # neither, or ambiguous: never guess an order
             result.append(candidates[0])
         return result
+
+
+def _storage_of(node: torch.fx.Node):
+    value = node.meta.get("example_value", node.meta.get("val")) if isinstance(node, torch.fx.Node) else None
+    return StorageWeakRef(value.untyped_storage()) if isinstance(value, torch.Tensor) else None
+
+
+def _host_outputs_to_copy(lifted: LiftedGraph, host: HostProgram) -> list[int]:
+    """NOTE [host outputs]: host values are cached across calls (NOTE [batch metadata cache], NOTE
+    [per-item metadata cache]), so a host tensor the graph returns is copied for the caller, who may
+    write it without changing a later call. A returned view of a call input (the grid) is returned
+    as the view it is, and then the batch cache is off for this program: a cached view would show
+    an earlier call's input."""
+    input_storages = {_storage_of(node) for node in lifted.categories if node.op == "placeholder"} - {None}
+    copied = []
+    for position, ref in enumerate(lifted.outputs):
+        if ref.program != "host":
+            continue
+        if _storage_of(lifted.host.outputs[ref.index]) in input_storages:
+            host.batch_cache_size = 0
+        else:
+            copied.append(position)
+    return copied
+
+
+def _copy_keeping_aliases(outputs: list, positions: list[int]) -> None:
+    """Copy outputs[i] for i in positions; outputs sharing a storage (a tensor and views of it, which
+    code after a graph break may write and read) get one copy of that storage, viewed as before."""
+    by_storage: dict = {}
+    for i in positions:
+        if isinstance(outputs[i], torch.Tensor):
+            by_storage.setdefault(outputs[i].untyped_storage().data_ptr(), []).append(i)
+    for group in by_storage.values():
+        if len(group) == 1:
+            outputs[group[0]] = outputs[group[0]].clone()
+            continue
+        storage = outputs[group[0]].untyped_storage().clone()
+        for i in group:
+            value = outputs[i]
+            outputs[i] = torch.empty(0, dtype=value.dtype, device=value.device).set_(
+                storage, value.storage_offset(), value.shape, value.stride())
