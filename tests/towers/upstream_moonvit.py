@@ -252,14 +252,7 @@ class UpstreamMoonVitEncoder(moonvit.MoonVitEncoder):
         self.rope_2d = UpstreamRope2DPosEmb(config.head_dim, config.rope_max_height, config.rope_max_width, config.rope_theta)
         self.blocks = nn.ModuleList(UpstreamMoonVitEncoderLayer(config) for _ in range(config.num_hidden_layers))
         self.final_layernorm = nn.LayerNorm(config.hidden_size)
-
-    def forward(self, x: torch.Tensor, grid_hws: torch.Tensor) -> torch.Tensor:
-        rope_freqs_cis = self.rope_2d.get_freqs_cis_by_seqlens(grid_hws, device=x.device)
-        lengths = torch.cat([torch.zeros(1, device=grid_hws.device, dtype=grid_hws.dtype), grid_hws[:, 0] * grid_hws[:, 1]])
-        cu_seqlens = lengths.cumsum(dim=0, dtype=torch.int32)
-        for block in self.blocks:
-            x = block(x, cu_seqlens, rope_freqs_cis)
-        return self.final_layernorm(x)
+    # forward: the parent's (RoPE lookup, cu_seqlens from the grid, the blocks, the final LayerNorm).
 
 
 class UpstreamMoonVitPretrainedModel(moonvit.MoonVitPretrainedModel):
