@@ -1,11 +1,42 @@
-"""Backend options, validated once and hashed: ``torch.compile(m, backend="kimi_cg", options={...})``."""
+"""Backend options, validated once and hashed: ``torch.compile(m, backend="kimi_cg", options={...})``.
+
+Every option is checked for its type and range when the config is built, so that a typo fails with
+a ValueError naming the option instead of a TypeError (or a huge allocation) at the first call.
+``validate_options`` runs the same checks before a model is compiled.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
+import os
+from collections.abc import Mapping
 from typing import Any
+
+MAX_BUCKET_TOKENS = 1 << 22
+"""Largest bucket capacity in patches (token_budgets, min_tokens, max_tokens). Each bucket allocates
+its static input buffers at its capacity, on the activations' device, at the first call; 4M patches
+is 16x a 4-frame 256x256-patch video chunk, so a larger value is a mistake (10**9 patches asked a
+CPU model for 157 GB at the first call)."""
+
+MAX_ITEMS = 4096
+"""Most items one replay may take. Each bucket's segment table has max_items + 2 entries, and dynamo
+traces the tower once per item count, so a replay of thousands of items is never warm."""
+
+MAX_FRAMES = 64
+"""Most frames merged into one output row: every bucket's gather plan is [capacity, max_frames]
+(2 GB of int64 at MAX_BUCKET_TOKENS and 64 frames)."""
+
+MAX_BUCKETS_PER_DOUBLING = 64
+"""Each bucket is captured separately (capture time, graph memory); 64 steps per doubling is a ratio
+of 1.011 between buckets, finer than padding ever needs."""
+
+MAX_BATCH_CACHE_SIZE = 1024
+"""Each cached batch keeps its whole host pass (metadata for every item) alive."""
+
+MAX_METADATA_CACHE_BYTES = 1 << 40
+"""1 TiB: more than any host has; a larger budget is a unit mistake, not a wish."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,7 +53,8 @@ class KimiCGConfig:
 
     debug_dir: str | None = None
     """When set, each compiled graph writes its stages (before/after each pass, host and device
-    programs, the lift report) under this folder. Also read from the env var KIMI_CG_DEBUG_DIR."""
+    programs, the lift report) under this folder. Also read from the env var KIMI_CG_DEBUG_DIR.
+    An os.PathLike is accepted and stored as its str."""
 
     cuda_graphs: bool | None = None
     """Replay the device program as CUDA graphs per token bucket. None: on when the activations are
@@ -30,7 +62,8 @@ class KimiCGConfig:
 
     token_budgets: tuple[int, ...] | None = None
     """Bucket capacities in patches (L rows). None: the geometric ladder from ``min_tokens`` to
-    ``max_tokens`` with ``buckets_per_doubling`` steps per doubling."""
+    ``max_tokens`` with ``buckets_per_doubling`` steps per doubling. A list or tuple of ints, each at
+    most MAX_BUCKET_TOKENS; stored sorted, without duplicates."""
 
     min_tokens: int = 1024
     """Smallest bucket of the default ladder."""
@@ -62,19 +95,33 @@ class KimiCGConfig:
 
     def __post_init__(self):
         if self.device_compiler not in ("auto", "eager", "inductor"):
-            raise ValueError(f"device_compiler must be auto, eager or inductor; got {self.device_compiler!r}")
-        if not isinstance(self.metadata_cache_bytes, int) or self.metadata_cache_bytes < 0:
-            raise ValueError(f"metadata_cache_bytes must be a non-negative int; got {self.metadata_cache_bytes!r}")
+            _reject("device_compiler", self.device_compiler, '"auto", "eager" or "inductor"')
+        _check_int("metadata_cache_bytes", self.metadata_cache_bytes, 0, MAX_METADATA_CACHE_BYTES)
+        _check_int("batch_cache_size", self.batch_cache_size, 0, MAX_BATCH_CACHE_SIZE)
+        if self.debug_dir is not None:
+            debug_dir = os.fspath(self.debug_dir) if isinstance(self.debug_dir, os.PathLike) else self.debug_dir
+            if not isinstance(debug_dir, str):
+                _reject("debug_dir", self.debug_dir, "None or a folder path (str or os.PathLike of str)")
+            object.__setattr__(self, "debug_dir", debug_dir)  # a str, so that compute_hash can encode it
+        if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
+            _reject("cuda_graphs", self.cuda_graphs, "None, True or False")
         if self.token_budgets is not None:
-            budgets = tuple(self.token_budgets)
-            if not budgets or any(not isinstance(b, int) or b <= 0 for b in budgets):
-                raise ValueError(f"token_budgets must be positive ints; got {self.token_budgets!r}")
-            object.__setattr__(self, "token_budgets", tuple(sorted(set(budgets))))
-        for name in ("min_tokens", "max_tokens", "buckets_per_doubling", "max_items", "max_frames"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be a positive int; got {getattr(self, name)!r}")
+            expected = f"a non-empty list or tuple of ints in [1, {MAX_BUCKET_TOKENS}] (MAX_BUCKET_TOKENS)"
+            if not isinstance(self.token_budgets, (list, tuple)) or not self.token_budgets:
+                _reject("token_budgets", self.token_budgets, expected)
+            if not all(_is_int(b) and 1 <= b <= MAX_BUCKET_TOKENS for b in self.token_budgets):
+                _reject("token_budgets", self.token_budgets, expected)
+            object.__setattr__(self, "token_budgets", tuple(sorted(set(self.token_budgets))))
+        _check_int("min_tokens", self.min_tokens, 1, MAX_BUCKET_TOKENS, "MAX_BUCKET_TOKENS")
+        _check_int("max_tokens", self.max_tokens, 1, MAX_BUCKET_TOKENS, "MAX_BUCKET_TOKENS")
         if self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens {self.min_tokens} > max_tokens {self.max_tokens}")
+            _reject("min_tokens", self.min_tokens, f"at most max_tokens ({self.max_tokens})")
+        _check_int("buckets_per_doubling", self.buckets_per_doubling, 1, MAX_BUCKETS_PER_DOUBLING)
+        _check_int("max_items", self.max_items, 1, MAX_ITEMS)
+        _check_int("max_frames", self.max_frames, 1, MAX_FRAMES)
+        for name in ("poison_graph_pool", "strict"):
+            if not isinstance(getattr(self, name), bool):
+                _reject(name, getattr(self, name), "True or False")
 
     def buckets(self) -> tuple[int, ...]:
         """Bucket capacities, ascending: the user's, or the geometric ladder from min_tokens to
@@ -92,9 +139,11 @@ class KimiCGConfig:
         return tuple(ladder)
 
     @classmethod
-    def from_options(cls, options: dict[str, Any] | None) -> "KimiCGConfig":
-        import os
-
+    def from_options(cls, options: Mapping[str, Any] | None) -> "KimiCGConfig":
+        """The config for ``torch.compile(..., options=options)``; a ValueError names an unknown or
+        invalid option, the value given and what is expected."""
+        if options is not None and not isinstance(options, Mapping):
+            raise ValueError(f"kimi_cg options: expected a dict of options, got {options!r}")
         values = dict(options or {})
         known = {field.name for field in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
@@ -106,3 +155,24 @@ class KimiCGConfig:
 
     def compute_hash(self) -> str:
         return hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def validate_options(options: Mapping[str, Any] | None) -> KimiCGConfig:
+    """Check ``options`` as ``torch.compile(m, backend="kimi_cg", options=options)`` will, and return
+    the resulting config. torch.compile defers the backend until the compiled model is first called,
+    so a bad option otherwise surfaces only then; this raises the same ValueError now."""
+    return KimiCGConfig.from_options(options)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # True is an int to Python, not to us
+
+
+def _check_int(name: str, value: Any, low: int, high: int, high_name: str | None = None):
+    if not _is_int(value) or not low <= value <= high:
+        bound = f"{high} ({high_name})" if high_name else str(high)
+        _reject(name, value, f"an int in [{low}, {bound}]")
+
+
+def _reject(name: str, value: Any, expected: str):
+    raise ValueError(f"kimi_cg option {name}: expected {expected}, got {value!r} ({type(value).__name__})")
