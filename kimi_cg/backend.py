@@ -10,7 +10,9 @@ from __future__ import annotations
 import logging
 import operator
 import os
+import threading
 import time
+import weakref
 
 import torch
 
@@ -80,7 +82,8 @@ def _lift(work: torch.fx.GraphModule, pristine: torch.fx.GraphModule, inputs, ac
     lifted = split(work, inputs)
     grid_inputs = [item.index for item in inputs if item.role is capture.InputRole.GRID]
     const_inputs = {item.index for item in inputs if item.role is capture.InputRole.MODULE_STATE}
-    host = HostProgram(lifted.host, grid_inputs, const_inputs, config.metadata_cache_bytes, config.batch_cache_size)
+    host = HostProgram(lifted.host, grid_inputs, const_inputs, config.metadata_cache_bytes, config.batch_cache_size,
+                       owner=f"options {config.compute_hash()}")
     host_inputs = frozenset(i for i, ref in enumerate(lifted.device.inputs) if ref.program == "host")
     compiler = _resolve_compiler(config, example_inputs)
     if not _has_dynamic_patch_count(inputs):
@@ -180,21 +183,51 @@ def _bucketed_graphs(config: KimiCGConfig, lifted, inputs, device, example_input
     take_static = operator.itemgetter(*static_positions) if len(static_positions) > 1 else None
 
     def graphs_for(device_args) -> BucketedGraphs:
-        # Dynamo graphs of one model (one per number of items) share a structurally equal device
-        # program and its captured graphs. A capture bakes in the addresses of the weights, so
-        # another model instance with the same structure gets its own graphs.
-        if take_static is not None:
-            weights = tuple(map(torch.Tensor.data_ptr, take_static(device_args)))
-        else:
-            weights = tuple(device_args[i].data_ptr() for i in static_positions)
-        graphs = device.bucketed_graphs.get((key, weights))
+        # NOTE [graphs and weights]: dynamo graphs of one model (one per number of items) share a
+        # structurally equal device program and its captured graphs. A capture bakes in the
+        # addresses of the weights, so graphs are keyed by them: another model instance with the
+        # same structure gets its own graphs. The graphs hold no reference to the weights; when
+        # any of them is freed the graphs go too (a new model at the same addresses captures
+        # anew), and weights that moved (``.to(dtype)`` keeps the Parameter objects) replace the
+        # graphs of their old addresses.
+        weights = take_static(device_args) if take_static is not None else tuple(device_args[i] for i in static_positions)
+        addresses = tuple(map(torch.Tensor.data_ptr, weights))
+        graphs = device.bucketed_graphs.get((key, addresses))
         if graphs is None:
-            graphs = BucketedGraphs(device, rules, buckets, config.max_items, config.max_frames, capture=on_cuda,
-                                    poison_pool=config.poison_graph_pool)
-            device.bucketed_graphs[(key, weights)] = graphs
+            graphs = _new_graphs(device, (key, addresses), weights, lambda: BucketedGraphs(
+                device, rules, buckets, config.max_items, config.max_frames, capture=on_cuda,
+                poison_pool=config.poison_graph_pool))
         return graphs
 
     return graphs_for
+
+
+_GRAPHS_LOCK = threading.Lock()
+
+
+def _new_graphs(device, entry_key, weights, make) -> BucketedGraphs:
+    """Register a graph set for these weights (NOTE [graphs and weights])."""
+    with _GRAPHS_LOCK:
+        graphs = device.bucketed_graphs.get(entry_key)
+        if graphs is not None:
+            return graphs
+        identities = frozenset(map(id, weights))
+        for other_key, other in list(device.bucketed_graphs.items()):
+            if other_key[0] == entry_key[0] and other.weight_identities == identities:
+                del device.bucketed_graphs[other_key]  # the same tensors, moved: old addresses are stale
+        graphs = make()
+        graphs.weight_identities = identities
+        device.bucketed_graphs[entry_key] = graphs
+        table = weakref.ref(device)
+        for weight in weights:
+            weakref.finalize(weight, _drop_graphs, table, entry_key, weakref.ref(graphs))
+        return graphs
+
+
+def _drop_graphs(device_ref, entry_key, graphs_ref) -> None:
+    device = device_ref()
+    if device is not None and device.bucketed_graphs.get(entry_key) is graphs_ref() is not None:
+        device.bucketed_graphs.pop(entry_key, None)
 
 
 dynamo_settings.install(kimi_cg_backend)  # NOTE [dynamo settings]: kimi_cg's only import-time effect

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
 
 import sympy
@@ -26,10 +27,18 @@ _PROGRAMS: dict[str, "DeviceProgram"] = {}
 
 
 def clear_program_cache() -> None:
-    _PROGRAMS.clear()
-    from kimi_cg.host_program import item_cache
+    """Forget every device program and every host-made value (``kimi_cg.reset()``)."""
+    from kimi_cg.runtime.memory import metadata_store
+    from kimi_cg.runtime.state_tokens import state_tokens
 
-    item_cache().clear()
+    _PROGRAMS.clear()
+    metadata_store.clear()
+    state_tokens.clear()
+
+
+def programs() -> list["DeviceProgram"]:
+    """Device programs built in this process (``kimi_cg.memory_report()``)."""
+    return list(_PROGRAMS.values())
 
 
 def structural_hash(gm: torch.fx.GraphModule, shape_free_inputs: frozenset[int] = frozenset()) -> str:
@@ -70,13 +79,22 @@ class DeviceProgram:
         self.host_inputs = host_inputs
         self._compiled = None
         self._compile_error: Exception | None = None  # a failed compile is not retried on every call
+        self._compile_lock = threading.Lock()  # threads calling a new program compile it once
         self._output_rows = None
-        self._output_rows_by_shape: dict = {}
+        self.output_rows_by_shape: dict = {}
         self.bucketed_graphs: dict = {}  # runtime.graphs.BucketedGraphs per (configuration, weights)
         self.configurations: dict = {}  # runtime configuration -> its small id (see backend._bucketed_graphs)
 
     def __call__(self, *inputs):
-        if self._compiled is None:
+        compiled = self._compiled
+        if compiled is None:
+            compiled = self._compile_once(inputs)
+        return compiled(*inputs)
+
+    def _compile_once(self, inputs):
+        with self._compile_lock:
+            if self._compiled is not None:
+                return self._compiled
             if self._compile_error is not None:
                 raise UnsupportedGraphError(f"the device program failed to compile: {self._compile_error}",
                                             "device compile failed") from self._compile_error
@@ -88,7 +106,7 @@ class DeviceProgram:
                 raise
             finally:
                 timings["device_compile"] += time.perf_counter() - start
-        return self._compiled(*inputs)
+            return self._compiled
 
     def _compile(self, inputs):
         if self.compiler == "eager":
@@ -104,12 +122,12 @@ class DeviceProgram:
             self._output_rows = _output_row_expressions(self.gm, inputs, self.host_inputs)
         symbols, expressions = self._output_rows
         signature = tuple(inputs[i].shape[d] for i, d in symbols.values())
-        rows = self._output_rows_by_shape.get(signature)
+        rows = self.output_rows_by_shape.get(signature)
         if rows is None:
             values = dict(zip(symbols, signature))
             rows = [None if expr is None else int(expr.xreplace(values)) for expr in expressions]
-            if len(self._output_rows_by_shape) < 4096:
-                self._output_rows_by_shape[signature] = rows
+            if len(self.output_rows_by_shape) < 4096:
+                self.output_rows_by_shape[signature] = rows
         return rows
 
 

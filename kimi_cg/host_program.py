@@ -8,18 +8,24 @@ Dynamo unrolls ``for h, w in grid.tolist()`` into one copy of the loop body per 
 whose inputs are module state and the integers of a single grid row (the bicubic interpolation of
 the position grid for that (h, w); that item's RoPE slice; a video chunk's time embedding) is an
 *item value*. Each maximal item value (its users are not item values of the same row) is replaced
-by a lookup in a process-wide LRU cache keyed by
-  (the structure of the subgraph computing it, the integer inputs, the identity and version of
-   every tensor input),
+by a lookup in the process-wide metadata store (NOTE [metadata memory budget]) keyed by
+  (the structure of the subgraph computing it, its integer inputs, the token of every state
+   tensor it reads: NOTE [state tokens]),
 so an image size seen before costs no interpolation, whichever position it has in the batch and
-whichever dynamo graph (number of items) it comes through. In-place weight updates bump the
-tensor version counter, so they miss the cache (invalidation); stale entries age out of the LRU.
+whichever dynamo graph (number of items) it comes through. The subgraph starts at the host
+program's inputs: work on module state alone (a weight's view or cast, made anew each call) is
+part of it, so the key names the weights themselves, never a per-call intermediate. Any change
+to a weight (in place, through ``.data``, replaced, moved, freed and its address reused) changes
+its token, so a stale value is never returned; stale entries age out of the LRU.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
+import threading
+import weakref
 import operator
 import re
 from typing import Any
@@ -32,71 +38,52 @@ from kimi_cg.capture import example_value
 from kimi_cg.counters import counters
 from kimi_cg.errors import InvalidInputError, UnsupportedGraphError
 from kimi_cg.lift import Program, source_location
+from kimi_cg.runtime.memory import metadata_store
+from kimi_cg.runtime.state_tokens import state_tokens
 
 logger = logging.getLogger(__name__)
 
 
-class ItemMetadataCache:
-    """LRU of item values (tensors), bounded in bytes."""
-
-    def __init__(self, max_bytes: int):
-        self.max_bytes = max_bytes
-        self.entries: collections.OrderedDict[Any, torch.Tensor] = collections.OrderedDict()
-        self.bytes = 0
-
-    def clear(self) -> None:
-        self.entries.clear()
-        self.bytes = 0
-
-    def get(self, key):
-        value = self.entries.get(key)
-        if value is not None:
-            self.entries.move_to_end(key)
-        return value
-
-    def put(self, key, value: torch.Tensor) -> None:
-        size = value.numel() * value.element_size()
-        if size > self.max_bytes:
-            return
-        self.entries[key] = value
-        self.bytes += size
-        while self.bytes > self.max_bytes:
-            _, old = self.entries.popitem(last=False)
-            self.bytes -= old.numel() * old.element_size()
+_HOST_PROGRAM_SERIALS = itertools.count(1)
 
 
-_ITEM_CACHE = ItemMetadataCache(1 << 30)
-
-
-def item_cache() -> ItemMetadataCache:
-    return _ITEM_CACHE
+def _forget_batches(serial: int, keys: collections.OrderedDict, lock: threading.Lock) -> None:
+    """A host program was freed: its cached batches go with it."""
+    with lock:
+        dropped = list(keys)
+        keys.clear()
+    for key in dropped:
+        metadata_store.pop(("batch", serial, key))
 
 
 def _input_key(value):
+    """How one input of an item value enters its cache key."""
     if isinstance(value, torch.Tensor):
-        return ("tensor", value.data_ptr(), value._version, tuple(value.shape), value.stride(), value.dtype, str(value.device))
+        return ("tensor", state_tokens.current(value))
     if isinstance(value, (int, float, bool, str, type(None))):
         return value
-    return ("object", id(value))
+    return ("object", type(value).__qualname__, id(value))
 
 
 class ItemValue(torch.nn.Module):
     """A cached item-value subgraph; called from the host program's generated code."""
 
-    def __init__(self, gm: torch.fx.GraphModule, structure: tuple):
+    def __init__(self, gm: torch.fx.GraphModule, structure: tuple, owner: str, share: int):
         super().__init__()
         self.gm = gm
         self.structure = structure
+        self.owner = owner  # whose metadata budget the entries count against
+        self.share = share
 
     def forward(self, *inputs):
-        key = (self.structure, tuple(_input_key(value) for value in inputs))
-        value = _ITEM_CACHE.get(key)
+        key = ("item", self.structure, tuple(_input_key(value) for value in inputs))
+        value = metadata_store.get(key)
         if value is not None:
             counters["metadata_cache_hits"] += 1
             return value
         counters["metadata_cache_misses"] += 1
         value = self.gm(*inputs)
-        _ITEM_CACHE.put(key, value)
+        metadata_store.put(key, value, self.owner, self.share)
         return value
 
 
@@ -133,8 +120,10 @@ def _structure(nodes: list[torch.fx.Node], inputs: list[torch.fx.Node]) -> tuple
     )
 
 
-def install_item_cache(gm: torch.fx.GraphModule, grid_placeholders: set[torch.fx.Node], const_nodes: set[torch.fx.Node]) -> int:
-    """Replace maximal item values in the host graph by ItemValue lookups; returns how many."""
+def install_item_cache(gm: torch.fx.GraphModule, grid_placeholders: set[torch.fx.Node], const_nodes: set[torch.fx.Node],
+                       owner: str = "default", share: int = 1 << 30) -> int:
+    """Replace maximal item values in the host graph by ItemValue lookups; returns how many. Their
+    entries count against ``owner``'s ``share`` of the metadata budget."""
     graph = gm.graph
     rows = _grid_rows(graph, grid_placeholders)
     # A cached value must never be written after the lookup returns it (NOTE [mutation and lifting]).
@@ -172,27 +161,41 @@ def install_item_cache(gm: torch.fx.GraphModule, grid_placeholders: set[torch.fx
         private_set = set(private)
         if any(user not in private_set for node in private if node is not top for user in node.users):
             continue  # shared with other work: leave it uncached
+        # Work on module state alone that feeds the value (a weight's view or cast) is copied into
+        # the subgraph: its inputs are then the host program's inputs, whose tokens name the
+        # weights (NOTE [per-item metadata cache]).
+        copied, stack = [], [arg for node in private for arg in node.all_input_nodes if arg not in private_set]
+        while stack:
+            arg = stack.pop()
+            if arg in const_nodes and arg.op in ("call_function", "call_method"):
+                if arg not in copied:
+                    copied.append(arg)
+                    stack.extend(arg.all_input_nodes)
         order = {node: i for i, node in enumerate(graph.nodes)}
-        private.sort(key=order.__getitem__)
+        body = sorted(private + copied, key=order.__getitem__)
+        body_set = set(body)
         inputs = []
-        for node in private:
+        for node in body:
             for arg in node.all_input_nodes:
-                if arg not in private_set and arg not in inputs:
+                if arg not in body_set and arg not in inputs:
                     inputs.append(arg)
         sub_graph = torch.fx.Graph()
         env = {arg: sub_graph.placeholder(f"in{i}") for i, arg in enumerate(inputs)}
-        for node in private:
+        for node in body:
             env[node] = sub_graph.node_copy(node, lambda arg: env[arg])
         sub_graph.output(env[top])
         sub_gm = torch.fx.GraphModule(torch.nn.Module(), sub_graph, class_name="KimiCGItemValue")
         name = f"item_value_{installed}"
-        setattr(gm, name, ItemValue(sub_gm, _structure(private, inputs)))
+        setattr(gm, name, ItemValue(sub_gm, _structure(body, inputs), owner, share))
         with graph.inserting_before(top):
             lookup = graph.call_module(name, tuple(inputs))
         lookup.meta = dict(top.meta)
         top.replace_all_uses_with(lookup)
-        for node in reversed(private):
+        for node in sorted(private, key=order.__getitem__, reverse=True):
             graph.erase_node(node)
+        for node in sorted(copied, key=order.__getitem__, reverse=True):
+            if not node.users and not node.is_impure():
+                graph.erase_node(node)
         installed += 1
     graph.lint()
     gm.recompile()
@@ -230,10 +233,11 @@ class HostProgram:
     """Runs the host program; maps failures to InvalidInputError naming the grid items involved."""
 
     def __init__(self, program: Program, grid_inputs: list[int], const_inputs: set[int], cache_bytes: int,
-                 batch_cache_size: int = 16):
+                 batch_cache_size: int = 16, owner: str = "default"):
         self.program = program
         self.gm = program.gm
-        _ITEM_CACHE.max_bytes = cache_bytes
+        self.owner = owner  # whose share of the metadata budget this program's entries use
+        self.share = cache_bytes
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         grid_nodes = {placeholders[i] for i, ref in enumerate(program.inputs) if ref.program == "arg" and ref.index in grid_inputs}
         const_nodes = {placeholders[i] for i, ref in enumerate(program.inputs) if ref.program == "arg" and ref.index in const_inputs}
@@ -241,23 +245,31 @@ class HostProgram:
             if node.op != "placeholder" and node.all_input_nodes and all(a in const_nodes for a in node.all_input_nodes):
                 if not any(isinstance(a, torch.fx.Node) and a in grid_nodes for a in node.all_input_nodes):
                     const_nodes.add(node)
-        self.items_cached = install_item_cache(self.gm, grid_nodes, const_nodes)
+        self.items_cached = install_item_cache(self.gm, grid_nodes, const_nodes, owner, cache_bytes)
         self.asserts_inlined = inline_scalar_asserts(self.gm)
         self.grid_positions = [i for i, ref in enumerate(program.inputs) if ref.program == "arg" and ref.index in grid_inputs]
         self._grid_position_set = frozenset(self.grid_positions)
+        self.state_positions = [i for i, ref in enumerate(program.inputs) if ref.program == "arg" and ref.index in const_inputs]
         self.batch_cache_size = batch_cache_size
-        self._batches: collections.OrderedDict = collections.OrderedDict()
+        self.serial = next(_HOST_PROGRAM_SERIALS)
+        self._batches: collections.OrderedDict = collections.OrderedDict()  # keys of this program's batches, LRU order
+        self._batches_lock = threading.Lock()
+        weakref.finalize(self, _forget_batches, self.serial, self._batches, self._batches_lock)
         counters["host_programs_built"] += 1
 
     def __call__(self, *inputs):
-        # NOTE [batch metadata cache]: a batch whose grid and tensor inputs (identity and version)
-        # equal a recent one reuses that batch's host outputs (repeated requests of one shape pay
-        # no host pass). Host outputs are read-only downstream: the device program is functional.
-        key = self._batch_key(inputs)
+        # NOTE [batch metadata cache]: a batch whose grid and state tensors (by token: NOTE [state
+        # tokens]) equal a recent one reuses that batch's host outputs (repeated requests of one
+        # shape pay no host pass). Host outputs are read-only downstream: the device program is
+        # functional. Entries live in the metadata store (NOTE [metadata memory budget]).
+        tokens = self._state_tokens(inputs) if self.items_cached or self.batch_cache_size else ()
+        key = self._batch_key(inputs, tokens)
         if key is not None:
-            cached = self._batches.get(key)
+            cached = metadata_store.get(("batch", self.serial, key))
             if cached is not None:
-                self._batches.move_to_end(key)
+                with self._batches_lock:
+                    if key in self._batches:
+                        self._batches.move_to_end(key)
                 counters["batch_cache_hits"] += 1
                 return cached
         try:
@@ -267,20 +279,39 @@ class HostProgram:
         except Exception as error:  # noqa: BLE001 - re-raised with the item named
             raise self._explain(error, inputs) from error
         if key is not None:
-            self._batches[key] = outputs
-            if len(self._batches) > self.batch_cache_size:
-                self._batches.popitem(last=False)
+            metadata_store.put(("batch", self.serial, key), outputs, self.owner, self.share)
+            with self._batches_lock:
+                self._batches[key] = None
+                self._batches.move_to_end(key)
+                dropped = self._batches.popitem(last=False)[0] if len(self._batches) > self.batch_cache_size else None
+            if dropped is not None:
+                metadata_store.pop(("batch", self.serial, dropped))
         return outputs
 
-    def _batch_key(self, inputs):
+    def _state_tokens(self, inputs) -> tuple:
+        """Validate the module state this program reads, once per call (NOTE [state tokens]): the
+        item-value lookups of this call then read the tokens without comparing again."""
+        tensors = [inputs[i] for i in self.state_positions if isinstance(inputs[i], torch.Tensor)]
+        return state_tokens.validate(tensors) if tensors else ()
+
+    def _batch_key(self, inputs, tokens: tuple):
         if self.batch_cache_size == 0:
             return None
-        parts = []
+        parts = [tokens]
+        state = set(self.state_positions)
         for position, value in enumerate(inputs):
             if position in self._grid_position_set:
                 parts.append(tuple(map(tuple, value.tolist())) if value.dim() == 2 else tuple(value.tolist()))
+            elif position in state and isinstance(value, torch.Tensor):
+                continue  # in the tokens
+            elif isinstance(value, torch.Tensor):
+                if value.device.type != "cpu" or value.numel() > 64:
+                    return None  # a per-call tensor the key cannot name cheaply: no batch reuse
+                parts.append((value.dtype, tuple(value.shape), tuple(value.flatten().tolist())))
+            elif isinstance(value, (int, float, bool, str, type(None))):
+                parts.append(value)
             else:
-                parts.append(_input_key(value))
+                return None
         return tuple(parts)
 
     def _explain(self, error: Exception, inputs) -> InvalidInputError:

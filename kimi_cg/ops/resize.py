@@ -53,6 +53,12 @@ def clear_matrix_cache() -> None:
     _DEVICE_MATRICES.clear()
 
 
+def matrix_cache_report() -> dict:
+    """Entries and bytes of the resize matrices kept per (sizes, device) (``kimi_cg.memory_report()``)."""
+    matrices = list(_DEVICE_MATRICES.values())
+    return {"entries": len(matrices), "bytes": sum(m.numel() * m.element_size() for m in matrices)}
+
+
 def resize_matrix(in_size: int, out_size: int, device: torch.device) -> torch.Tensor:
     """The float32 resize matrix on `device` (cached per sizes and device)."""
     key = (in_size, out_size, str(device))

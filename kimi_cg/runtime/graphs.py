@@ -25,7 +25,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import threading
 import time
+import weakref
 
 import torch
 
@@ -126,6 +128,15 @@ class BucketedGraphs:
         self.buckets: dict[int, _Bucket] = {}
         self.pool = None
         self.graph_bytes = 0
+        # NOTE [concurrent calls]: the buckets' static buffers and the graph pool are shared by
+        # every call. One lock per graph set is held from filling the static inputs until the
+        # outputs are cloned; on CUDA the next call's stream also waits for the event recorded
+        # after the previous call's clones, so calls from threads on different streams never
+        # overwrite buffers a queued replay still reads.
+        self.weight_identities: frozenset = frozenset()  # set by the backend (NOTE [graphs and weights])
+        self.lock = threading.RLock()
+        self._last_use: torch.cuda.Event | None = None
+        _GRAPH_SETS.add(self)
 
     # -- planning -------------------------------------------------------------------------------
     def _patches(self, inputs) -> int:
@@ -155,7 +166,12 @@ class BucketedGraphs:
         decreasing by size into parts of at most the largest bucket and ``max_items`` items (fewer
         replays, less padding); a part's inputs gather its items' rows, cu_seqlens, and gather-plan
         rows (rebased). Without, items are packed greedily in call order and each part's inputs are
-        slices. Returns None when the inputs do not decompose into items (then the call runs unsplit)."""
+        slices. Returns None when the inputs do not decompose into items (then the call runs unsplit).
+
+        Parts out of call order need each item's output rows to put the outputs back; those are the
+        device program's own output sizes for a call of that item alone (LiftedRunner._rows_per_item),
+        never a ratio: a video chunk's merged rows follow its gather-plan rows (h * w / 4, frames
+        averaged), not its patch rows (t * h * w), and both ratios can be whole numbers."""
         cu_positions = [i for i, r in enumerate(self.rules) if r.kind == "cu_seqlens"]
         if not cu_positions or any(r.kind == "unpadded" for r in self.rules):
             return None
@@ -177,7 +193,7 @@ class BucketedGraphs:
         parts: list[list[int]] = []
         loads: list[int] = []
         for item in (sorted(range(items), key=lambda i: -need[i]) if sort else range(items)):
-            candidates = range(len(parts)) if sort else range(len(parts) - 1, len(parts))
+            candidates = range(len(parts)) if sort else range(len(parts))[-1:]  # in call order: the open part
             home = next((p for p in candidates if loads[p] + need[item] <= largest and len(parts[p]) < per_part), None)
             if home is None:
                 parts.append([])
@@ -259,7 +275,7 @@ class BucketedGraphs:
         static = []
         for rule, value in zip(self.rules, inputs):
             if rule.kind == "static":
-                static.append(value)
+                static.append(None)  # the call's own weights (a capture reads them at their address)
             elif rule.kind == "size":
                 static.append(capacity)
             elif rule.kind == "rows":
@@ -303,31 +319,38 @@ class BucketedGraphs:
             return
         progress = _progress(missing) if self.capture and len(missing) > 1 else missing
         start, compile_before = time.perf_counter(), timings["device_compile"]
-        for capacity in progress:
-            bucket = _Bucket(capacity)
-            bucket.inputs = self._allocate(capacity, inputs)
-            if self.capture:
-                self._capture(bucket)
-            self.buckets[capacity] = bucket
+        # Static buffers are filled in place by later calls: never inference tensors.
+        with torch.inference_mode(False), torch.no_grad():
+            for capacity in progress:
+                bucket = _Bucket(capacity)
+                bucket.inputs = self._allocate(capacity, inputs)
+                if self.capture:
+                    self._capture(bucket, inputs)
+                self.buckets[capacity] = bucket
         seconds = time.perf_counter() - start
         timings["capture"] += seconds - (timings["device_compile"] - compile_before)  # a first call compiles
         logger.info("kimi_cg: prepared %d buckets %s in %.1f s", len(missing), missing, seconds)
 
-    def _capture(self, bucket: _Bucket) -> None:
+    def _arguments(self, bucket: _Bucket, inputs) -> list:
+        """The bucket's padded buffers, with the call's own weights in the static positions."""
+        return [inputs[i] if value is None else value for i, value in enumerate(bucket.inputs)]
+
+    def _capture(self, bucket: _Bucket, inputs) -> None:
+        arguments = self._arguments(bucket, inputs)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
             if self.poison_pool:
-                self._fill_pool_with_nan(bucket.inputs)
+                self._fill_pool_with_nan(arguments)
         before = torch.cuda.memory_allocated()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # compile, autotune and allocator warm-up stay out of the graph
-                self.program(*bucket.inputs)
+                self.program(*arguments)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            bucket.outputs = tuple(self.program(*bucket.inputs))
+            bucket.outputs = tuple(self.program(*arguments))
         bucket.graph = graph
         self.graph_bytes += max(0, torch.cuda.memory_allocated() - before)
         counters["captures"] += 1
@@ -346,19 +369,41 @@ class BucketedGraphs:
         torch.cuda.synchronize()
 
     def run(self, inputs, capacity: int):
-        self.prepare(inputs)
-        bucket = self.buckets[capacity]
-        self._fill(bucket, inputs)
-        if bucket.graph is not None:
-            bucket.graph.replay()
-            outputs = bucket.outputs
-            counters["graph_replays"] += 1
-        else:
-            outputs = tuple(self.program(*bucket.inputs))
         rows = self.program.output_rows(inputs)
-        return tuple(
-            out[:n].clone() if isinstance(out, torch.Tensor) and n is not None else out for out, n in zip(outputs, rows)
-        )
+        with self.lock:  # NOTE [concurrent calls]
+            self.prepare(inputs)
+            bucket = self.buckets[capacity]
+            if self._last_use is not None:
+                torch.cuda.current_stream().wait_event(self._last_use)
+            self._fill(bucket, inputs)
+            if bucket.graph is not None:
+                bucket.graph.replay()
+                outputs = bucket.outputs
+                counters["graph_replays"] += 1
+            else:
+                outputs = tuple(self.program(*self._arguments(bucket, inputs)))
+            results = tuple(
+                out[:n].clone() if isinstance(out, torch.Tensor) and n is not None else out for out, n in zip(outputs, rows)
+            )
+            if self.capture:
+                self._last_use = torch.cuda.Event()
+                self._last_use.record()
+            return results
+
+    def memory(self) -> tuple[str, int, int]:
+        """(device, bytes the captures added to the graph pool, bytes of static input buffers)."""
+        static = sum(value.numel() * value.element_size() for bucket in self.buckets.values()
+                     for value in bucket.inputs if isinstance(value, torch.Tensor))
+        device = next((str(v.device) for b in self.buckets.values() for v in b.inputs if isinstance(v, torch.Tensor)), "none")
+        return device, self.graph_bytes, static
+
+
+_GRAPH_SETS: "weakref.WeakSet[BucketedGraphs]" = weakref.WeakSet()
+
+
+def graph_sets() -> list[BucketedGraphs]:
+    """Graph sets alive in this process (``kimi_cg.memory_report()``, benchmarks)."""
+    return list(_GRAPH_SETS)
 
 
 def _progress(items):

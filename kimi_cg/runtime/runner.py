@@ -62,12 +62,27 @@ class LiftedRunner:
         return results[ref.program][ref.index]
 
     def __call__(self, *args):
+        if torch.is_grad_enabled() and self.fallback is not None and self._needs_gradients(args):
+            return self._run_for_autograd(args)
         if self.fallback is None:
             return self._run_lifted(args)
         try:
             return self._run_lifted(args)
         except Exception as error:  # noqa: BLE001 - decided below: the caller's error or a compiler limit
             return self._after_failure(error, args)
+
+    @staticmethod
+    def _needs_gradients(args) -> bool:
+        return any(isinstance(value, torch.Tensor) and value.requires_grad for value in args)
+
+    def _run_for_autograd(self, args):
+        """kimi_cg's programs are inference-only (replays and cached metadata have no autograd
+        graph): a call that needs gradients runs the captured graph, which autograd sees whole."""
+        counters["call_fallbacks"] += 1
+        record_fallback("gradients needed (kimi_cg runs inference only)", "call time",
+                        "a tensor input requires grad and grad mode is on",
+                        "this call ran the captured graph; run inference under torch.inference_mode() or torch.no_grad()")
+        return self.fallback(*args)
 
     def _after_failure(self, error: Exception, args):
         """NOTE [errors by who must act]: the captured graph, run unchanged on the same inputs, tells
@@ -120,31 +135,31 @@ class LiftedRunner:
         if self.graphs_for is not None:
             # Looked up per call: dynamo shares one compiled graph between instances of a module
             # class (weights are inputs), while captured graphs belong to one set of weights.
-            self.graphs = self.graphs_for(device_args)
-            capacity = self.graphs.choose(device_args)
+            self.graphs = graphs = self.graphs_for(device_args)  # self.graphs: the latest, for reports only
+            capacity = graphs.choose(device_args)
             if capacity is not None:
-                return self.graphs.run(device_args, capacity)
-            split = self._run_split(device_args)
+                return graphs.run(device_args, capacity)
+            split = self._run_split(graphs, device_args)
             if split is not None:
                 return split
             counters["eager_fallbacks"] += 1
             logger.debug("kimi_cg: call does not fit a bucket; running the non-graphed device program")
         return self.device(*device_args)
 
-    def _run_split(self, device_args):
+    def _run_split(self, graphs, device_args):
         """NOTE [splitting] in runtime/graphs.py: several replays of whole items, outputs put back in
-        call order. Sorted packing needs every output to be row-wise over items in proportion to
-        their patches or gather-plan rows; otherwise the call is packed in call order."""
-        plan = self.graphs.split(device_args)
+        call order. Parts out of call order need every output to be row-wise over items, each item's
+        rows adding up to every part's; otherwise the call is packed in call order."""
+        plan = graphs.split(device_args)
         if plan is None or len(plan.pieces) < 2:
             return None
         full_rows = self.device.output_rows(device_args)
         part_rows = [self.device.output_rows(piece) for piece in plan.pieces]
-        per_item = self._rows_per_item(plan, full_rows)
+        per_item = None if plan.in_call_order else self._rows_per_item(graphs, plan, device_args, full_rows)
         consistent = per_item is not None and all(
             sum(per_item[j][i] for i in part) == rows[j] for part, rows in zip(plan.parts, part_rows) for j in range(len(rows)))
         if not consistent and not plan.in_call_order:
-            plan = self.graphs.split(device_args, sort=False)
+            plan = graphs.split(device_args, sort=False)
             if plan is None or len(plan.pieces) < 2:
                 return None
             part_rows = [self.device.output_rows(piece) for piece in plan.pieces]
@@ -154,12 +169,12 @@ class LiftedRunner:
         counters["split_calls"] += 1
         results = []
         for piece in plan.pieces:
-            capacity = self.graphs.choose(piece)
+            capacity = graphs.choose(piece)
             if capacity is None:
                 counters["eager_fallbacks"] += 1  # one item larger than the largest bucket
                 results.append(tuple(self.device(*piece)))
             else:
-                results.append(self.graphs.run(piece, capacity))
+                results.append(graphs.run(piece, capacity))
         if plan.in_call_order:
             return tuple(torch.cat(pieces) for pieces in zip(*results))
         outputs = []
@@ -171,22 +186,27 @@ class LiftedRunner:
             outputs.append(torch.cat([chunks[i] for i in range(len(chunks))]))
         return tuple(outputs)
 
-    @staticmethod
-    def _rows_per_item(plan, full_rows) -> list[list[int]] | None:
-        """Per output, each item's rows: proportional to its patch rows or its gather-plan rows
-        (the merger's [R/4, 4D] view divides the latter by 4). None when an output is neither."""
-        result = []
-        for rows in full_rows:
-            if rows is None:
+    def _rows_per_item(self, graphs, plan, device_args, full_rows) -> list[list[int]] | None:
+        """Per output, each item's rows: the device program's output sizes for a call of that item
+        alone (its own patch rows, gather-plan rows and segments). A ratio of the call's rows would
+        guess: a video chunk's merged rows are its plan rows / 4 (frames averaged), not its patch
+        rows / 4, and both ratios can be whole numbers with different answers. None when an output
+        is not row-wise over items (the items' rows do not add up to the call's)."""
+        if any(rows is None for rows in full_rows):
+            return None
+        bounds, plan_blocks = [0], []  # the call's rows of each item, as split() found them
+        for patches, plan_rows in zip(plan.patch_rows, plan.plan_rows):
+            bounds.append(bounds[-1] + patches)
+            start = plan_blocks[-1][1] if plan_blocks else 0
+            plan_blocks.append((start, start + plan_rows))
+        by_size: dict[tuple[int, int], list] = {}  # a one-item call's shapes follow from these two sizes
+        for item, size in enumerate(zip(plan.patch_rows, plan.plan_rows)):
+            if size not in by_size:
+                by_size[size] = self.device.output_rows(graphs._part_inputs(device_args, [item], bounds, plan_blocks))
+        result = [list(rows) for rows in zip(*(by_size[size] for size in zip(plan.patch_rows, plan.plan_rows)))]
+        for rows, total in zip(result, full_rows):
+            if any(r is None for r in rows) or sum(rows) != total:
                 return None
-            candidates = []
-            for unit in (plan.patch_rows, plan.plan_rows):
-                total = sum(unit)
-                if total and all((u * rows) % total == 0 for u in unit):
-                    candidates.append([u * rows // total for u in unit])
-            if not candidates or any(c != candidates[0] for c in candidates):
-                return None  # neither, or ambiguous: never guess an order
-            result.append(candidates[0])
         return result
 
 
