@@ -25,9 +25,13 @@ part of guards), so kimi_cg scopes them itself:
 3. If dynamo fails on a kimi_cg frame (an error other than a graph break or a frame skip), the call
    runs the frame eagerly (``suppress_errors`` for that one error, restored when the next compile
    starts): the caller gets eager's result or eager's own error, never a dynamo crash. If the error
-   comes from a data-dependent value, i.e. from these settings, the end callback also remembers the
-   frame's code, and later compiles of that code trace with dynamo's own settings. Both are counted
-   (``dynamo_trace_failures``, ``dynamo_setting_fallbacks``, ``kimi_cg.fallbacks``).
+   comes from a data-dependent value it may come from these settings, or from the call's inputs
+   (an item with a zero side makes empty tensors whose sizes dynamo cannot reason about; eager
+   fails on them too). A frame whose code once traced with the settings has shown that they work
+   for it: its failure is the call's, and only that call runs eagerly. A code that never traced
+   with them and fails ``DEMOTE_AFTER_FAILURES`` times is traced with dynamo's own settings from
+   then on (one invalid first request does not demote a tower for the life of the process). Both
+   are counted (``dynamo_trace_failures``, ``dynamo_setting_fallbacks``, ``kimi_cg.fallbacks``).
 4. One setting does persist, per thread, once a kimi_cg frame was compiled in it:
    ``recompile_limit`` is raised to at least 64. Dynamo keeps one graph per number of items N
    (plus the static first trace and the RoPE table's retrace); with the default 8 a serving mix of
@@ -65,8 +69,13 @@ logger = logging.getLogger(__name__)
 DYNAMO_SETTINGS = {"capture_scalar_outputs": True, "capture_dynamic_output_shape_ops": True}
 MIN_RECOMPILE_LIMIT = 64
 
+DEMOTE_AFTER_FAILURES = 3
+
 _backends: list = []  # the kimi_cg backend function(s) whose compiles get the settings
 _traced_with_defaults: "weakref.WeakSet" = weakref.WeakSet()  # code objects that failed under the settings
+_traced_with_settings: "weakref.WeakSet" = weakref.WeakSet()  # code objects traced with them at least once
+_failures_with_settings: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # code -> data-dependent failures
+_codes_to_trace_again: "weakref.WeakSet" = weakref.WeakSet()  # failed codes dynamo marked SKIP
 _state = threading.local()
 
 
@@ -118,6 +127,7 @@ def _is_kimi_cg(compiler_fn) -> bool:
 
 def _on_compile_start(_args) -> None:
     _restore_suppress_errors()
+    _reset_skipped_codes()
     local_vars = _compile_frame_locals()
     if local_vars is None or not _is_kimi_cg(local_vars.get("compiler_fn")):
         return
@@ -139,9 +149,11 @@ def _on_compile_end(_args) -> None:
     _state.patch = None
     patch.__exit__(None, None, None)
     error = sys.exc_info()[1]  # the compile's own error, when it is propagating (the callback runs in a finally)
-    if error is None or error is _state.error_at_start:
-        return
     code = _state.code
+    if error is None or error is _state.error_at_start:
+        if code is not None:
+            _traced_with_settings.add(code)
+        return
     where = f"{code.co_filename}:{code.co_firstlineno} ({code.co_name})" if code is not None else "a frame"
     if _is_graph_break(error):
         if "No ops traced" not in str(error):  # dynamo skips frames without tensor work: nothing lost
@@ -150,9 +162,11 @@ def _on_compile_end(_args) -> None:
             report_skipped_frame(where, error)
         return
     summary = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
-    if _caused_by_unbacked_values(error):
-        if code is not None:
-            _traced_with_defaults.add(code)
+    failures = 0
+    if code is not None and code not in _traced_with_settings and _caused_by_unbacked_values(error):
+        failures = _failures_with_settings[code] = _failures_with_settings.get(code, 0) + 1
+    if failures >= DEMOTE_AFTER_FAILURES:
+        _traced_with_defaults.add(code)
         counters["dynamo_setting_fallbacks"] += 1
         record_fallback("dynamo failed with kimi_cg's settings", where, summary,
                         "this frame runs eagerly now and is traced with dynamo's default settings from the next call")
@@ -162,6 +176,45 @@ def _on_compile_end(_args) -> None:
         counters["dynamo_trace_failures"] += 1
         record_fallback("dynamo failed to trace this call", where, summary, "this call runs the frame eagerly")
     _suppress_errors_once()
+    _trace_again_next_call(error, code)
+
+
+def _trace_again_next_call(error: BaseException, code) -> None:
+    """NOTE [dynamo settings], step 3: a frame whose trace failed with suppress_errors is skipped by
+    dynamo for the rest of the process (its code is marked SKIP), so one invalid request would leave
+    a tower eager forever. kimi_cg asks for "run eagerly now, trace again at the next call": on the
+    error when dynamo reads a strategy from it, else by resetting the code's strategy when the next
+    compile starts (a nested frame of the same eager run, or the next call)."""
+    strategy = _trace_again_strategy()
+    if strategy is None:
+        return
+    from torch._dynamo import exc
+
+    if isinstance(error, exc.TorchDynamoException) and hasattr(error, "frame_exec_strategy"):
+        error.frame_exec_strategy = strategy
+    elif code is not None:
+        _codes_to_trace_again.add(code)
+
+
+def _trace_again_strategy():
+    try:
+        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy
+    except ImportError:  # a torch without frame strategies: the frame stays skipped (eager, correct)
+        return None
+    return _FrameExecStrategy(_FrameAction.DEFAULT, _FrameAction.DEFAULT)
+
+
+def _reset_skipped_codes() -> None:
+    if not _codes_to_trace_again:
+        return
+    strategy = _trace_again_strategy()
+    try:
+        from torch._C._dynamo.eval_frame import set_code_exec_strategy
+    except ImportError:
+        return
+    for code in list(_codes_to_trace_again):
+        set_code_exec_strategy(code, strategy)
+    _codes_to_trace_again.clear()
 
 
 def _caused_by_unbacked_values(error: BaseException) -> bool:
@@ -209,6 +262,8 @@ def _restore_suppress_errors() -> None:
 def clear() -> None:
     """Forget frames demoted to dynamo's defaults and restore suppress_errors (kimi_cg.reset())."""
     _traced_with_defaults.clear()
+    _traced_with_settings.clear()
+    _failures_with_settings.clear()
     _restore_suppress_errors()
 
 

@@ -128,10 +128,14 @@ def _change_weights(model, form: str):
         raise AssertionError(form)
 
 
+WEIGHT_CHANGES = [(form, True) for form in ("data_add_pos_emb", "data_add_time_buffer", "no_grad_add_pos_emb", "load_state_dict",
+                                             "load_state_dict_assign", "data_assign_pos_emb", "to_bfloat16")]
+WEIGHT_CHANGES += [("data_add_pos_emb", False), ("load_state_dict_assign", False), ("to_bfloat16", False)]
+
+
 @pytest.mark.parametrize("build", [build_2d, build_3d], ids=["2d", "3d"])
-@pytest.mark.parametrize("form", ["data_add_pos_emb", "data_add_time_buffer", "no_grad_add_pos_emb", "load_state_dict",
-                                  "load_state_dict_assign", "data_assign_pos_emb", "to_bfloat16"])
-@pytest.mark.parametrize("cuda_graphs", [True, False], ids=["bucketed", "plain"])
+@pytest.mark.parametrize("form, cuda_graphs", WEIGHT_CHANGES,
+                         ids=[f"{form}-{'bucketed' if graphs else 'plain'}" for form, graphs in WEIGHT_CHANGES])
 def test_weights_changed_after_compiling_are_used(build, form, cuda_graphs):
     if form == "data_add_time_buffer" and build is build_2d:
         pytest.skip("the 2D tower has no time buffer")
@@ -261,13 +265,14 @@ def test_backward_through_the_compiled_tower_matches_eager(caplog):
     model = build_2d()
     compiled = torch.compile(model, backend="kimi_cg", options=OPTIONS)
     pixels, grid = make_inputs([[4, 6], [2, 8]])
-    loss = sum(o.sum() for o in compiled(pixels, grid))
-    assert "torch.no_grad()" in caplog.text
-    assert kimi_cg.fallbacks["gradients needed (kimi_cg runs inference only)"] == 1
-    loss.backward()
-    got = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
-    sum(o.sum() for o in model(pixels, grid)).backward()
+    with torch.enable_grad():
+        loss = sum(o.sum() for o in compiled(pixels, grid))
+        assert "torch.no_grad()" in caplog.text
+        assert kimi_cg.fallbacks["gradients needed (kimi_cg runs inference only)"] == 1
+        loss.backward()
+        got = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        sum(o.sum() for o in model(pixels, grid)).backward()
     for g, p in zip(got, model.parameters()):
         torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-5)
 
@@ -316,3 +321,32 @@ def test_a_models_option_lowers_its_own_share_and_never_changes_another_models()
         assert report["metadata"]["bytes"] <= 1 << 20
     finally:
         kimi_cg.set_memory_budget(metadata_bytes=None)
+
+
+# -- invalid requests ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("build, bad_grid, grids", [
+    (build_2d, [[0, 22]], GRIDS_2D),
+    (build_3d, [[1, 22, 0]], GRIDS_3D),
+], ids=["2d", "3d"])
+def test_an_item_without_pixels_raises_eager_error_and_changes_nothing_after_it(build, bad_grid, grids):
+    """Dynamo cannot trace a zero-sized item with unbacked sizes; the call runs eagerly and raises
+    eager's error. One such request once demoted the tower to dynamo's default settings for the
+    life of the process (every later size retraced and ran with graph breaks)."""
+    model = build()
+    compiled = torch.compile(model, backend="kimi_cg", options=OPTIONS)
+    for seed, grid in enumerate(grids):  # every item count traced, dynamic in the patch count
+        compiled(*make_inputs(grid, seed))
+    graphs = kimi_cg.counters["dynamo_graphs"]
+    with pytest.raises(Exception) as eager_error:
+        model(*make_inputs(bad_grid))
+    with pytest.raises(type(eager_error.value)):
+        compiled(*make_inputs(bad_grid))
+    # The failed call runs eagerly; dynamo may compile a nested frame of that eager run on its own.
+    assert kimi_cg.counters["dynamo_graphs"] <= graphs + 1
+    graphs = kimi_cg.counters["dynamo_graphs"]
+    for seed, grid in enumerate(grids, start=10):
+        assert_close_outputs(compiled(*make_inputs(grid, seed)), model(*make_inputs(grid, seed)))
+    assert kimi_cg.counters["dynamo_setting_fallbacks"] == 0
+    assert kimi_cg.counters["dynamo_graphs"] == graphs  # no retrace after the invalid request
+    assert kimi_cg.counters["graph_breaks"] == 0

@@ -82,7 +82,13 @@ class LiftedRunner:
         record_fallback("gradients needed (kimi_cg runs inference only)", "call time",
                         "a tensor input requires grad and grad mode is on",
                         "this call ran the captured graph; run inference under torch.inference_mode() or torch.no_grad()")
-        return self.fallback(*args)
+        try:
+            return self.fallback(*args)
+        except RuntimeError as error:  # dynamo's runtime assertions: the caller's error (NOTE [errors by who must act])
+            if "Runtime assertion failed" not in str(error) or isinstance(error, InvalidInputError):
+                raise
+            counters["invalid_inputs"] += 1
+            raise InvalidInputError.like(f"kimi_cg: invalid input: {error}", error) from error
 
     def _after_failure(self, error: Exception, args):
         """NOTE [errors by who must act]: the captured graph, run unchanged on the same inputs, tells
