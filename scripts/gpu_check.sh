@@ -24,6 +24,10 @@ core=$!
 (CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=4 python3 -P -m pytest -q -p no:cacheprovider --durations=5 \
   tests/test_foreign_towers.py tests/test_program_fuzz.py > "$OUT/foreign_tests.txt" 2>&1) &
 foreign=$!
+# Runtime reliability (threads, weight changes, memory budget, bad inputs), in a third CPU process.
+(CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=4 python3 -P -m pytest -q -p no:cacheprovider --durations=5 \
+  tests/test_reliability.py tests/test_split_video.py tests/test_options.py > "$OUT/reliability_tests.txt" 2>&1) &
+reliability=$!
 python3 -P -m pytest -v -p no:cacheprovider --durations=10 tests/test_gpu.py tests/test_kernels.py tests/test_varlen_attention.py \
   > "$OUT/gpu_tests.txt" 2>&1 || status=1
 tail -15 "$OUT/gpu_tests.txt"
@@ -31,6 +35,8 @@ wait $core || status=1
 tail -8 "$OUT/core_tests.txt"
 wait $foreign || status=1
 tail -8 "$OUT/foreign_tests.txt"
+wait $reliability || status=1
+tail -8 "$OUT/reliability_tests.txt"
 python3 - "$KIMI_CG_GPU_SUMMARY" <<'PY'
 import json, sys
 try:

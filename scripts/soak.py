@@ -705,6 +705,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--invalid-kinds", default=None,
                         help="comma-separated invalid kinds to draw (default: all of the tower's: "
                              + ", ".join(kind.removeprefix("invalid_") for kind in INVALID_KINDS_3D) + ")")
+    parser.add_argument("--metadata-budget-mb", type=int, default=None,
+                        help="process budget of kimi_cg's host metadata (kimi_cg.set_memory_budget); a budget the "
+                             "stream fills makes 'flat once caches are full' measurable (default: kimi_cg's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write the summary as JSON here")
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -738,6 +741,7 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = DTYPES[args.dtype]
     torch._dynamo.reset()
     kimi_cg.reset()
+    kimi_cg.set_memory_budget(metadata_bytes=None if args.metadata_budget_mb is None else args.metadata_budget_mb << 20)
     model, frame_limit = build_tower(args.tower, args.config, args.seed)
     model = model.to(args.device, dtype).eval()
     compiled = torch.compile(model, backend="kimi_cg", options=compile_options(args.device, args.max_items))

@@ -120,3 +120,60 @@ def test_graph_replays_match_eager_bf16(tower, size, count):
     if path:
         with open(path, "w") as f:
             json.dump({"torch": torch.__version__, "device": torch.cuda.get_device_name(), "cases": SUMMARY}, f, indent=2)
+
+
+@pytest.mark.parametrize("tower", ["moonvit", "moonvit3d"])
+def test_concurrent_replays_from_threads_and_a_side_stream_match_eager(tower):
+    """NOTE [concurrent calls] with capture: two threads, one on its own CUDA stream, replaying one
+    compiled tower with different grids (the 3D tower returned another thread's rows before)."""
+    import concurrent.futures
+    import random
+    import threading
+
+    torch.manual_seed(0)
+    video = tower == "moonvit3d"
+    config_class, model_class = (MoonViT3dConfig, MoonViT3dPretrainedModel) if video else (MoonVitConfig, MoonVitPretrainedModel)
+    model = model_class(config_class.tiny()).cuda().eval()
+    compiled = torch.compile(model, backend="kimi_cg", options={"token_budgets": [256, 512, 1024, 2048], "max_items": 6})
+    first = [[1, 4, 6]] if video else [[4, 6]]
+    with torch.inference_mode():
+        kimi_cg.warm_up(compiled, torch.randn(24, 3, 14, 14, device="cuda"), torch.tensor(first), max_items=6)
+    chooser = random.Random(0)
+    requests = []
+    for index in range(120):
+        grid = []
+        for _ in range(chooser.randint(1, 6)):
+            h, w = 2 * chooser.randint(1, 8), 2 * chooser.randint(1, 8)
+            grid.append([chooser.randint(1, 4), h, w] if video else [h, w])
+        requests.append((grid, index))
+
+    def pixels(grid, seed):
+        rows = int(torch.tensor(grid).prod(-1).sum())
+        return torch.randn(rows, 3, 14, 14, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+
+    with torch.inference_mode():
+        want = [model(pixels(grid, seed), torch.tensor(grid)) for grid, seed in requests]
+    side = torch.cuda.Stream()
+    start = threading.Barrier(2)
+
+    def serve(worker):
+        results = {}
+        stream = side if worker == 1 else torch.cuda.current_stream()
+        start.wait()
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            for index in range(worker, len(requests), 2):
+                grid, seed = requests[index]
+                results[index] = compiled(pixels(grid, seed), torch.tensor(grid))
+        stream.synchronize()
+        return results
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        outputs = {}
+        for part in pool.map(serve, range(2)):
+            outputs.update(part)
+    for index, (grid, _) in enumerate(requests):
+        got = outputs[index]
+        assert not any(torch.isnan(g).any() for g in got), grid
+        assert _relative_error(got, want[index]) <= 1e-3, (grid, _relative_error(got, want[index]))
+    assert kimi_cg.counters["graph_replays"] > 0
+    assert kimi_cg.counters["call_fallbacks"] == 0

@@ -279,6 +279,30 @@ def test_backward_through_the_compiled_tower_matches_eager(caplog):
 
 # -- memory -----------------------------------------------------------------------------------------
 
+def test_a_bucket_that_runs_out_of_memory_is_dropped_and_calls_still_match_eager(monkeypatch):
+    """NOTE [memory pressure]: the largest bucket fails to allocate; calls that needed it split or
+    run the plain program, smaller buckets keep replaying."""
+    from kimi_cg.runtime.graphs import BucketedGraphs
+
+    allocate = BucketedGraphs._allocate
+
+    def allocate_or_fail(self, capacity, inputs):
+        if capacity >= 1024:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return allocate(self, capacity, inputs)
+
+    monkeypatch.setattr(BucketedGraphs, "_allocate", allocate_or_fail)
+    model = build_2d()
+    compiled = torch.compile(model, backend="kimi_cg", options=OPTIONS)
+    grids = GRIDS_2D + [[[24, 24]], [[16, 16], [12, 12]]]  # the last two need more than 256 patches
+    for seed, grid in enumerate(grids):
+        assert_close_outputs(compiled(*make_inputs(grid, seed)), model(*make_inputs(grid, seed)))
+    assert kimi_cg.counters["buckets_dropped_for_memory"] == 1
+    assert kimi_cg.counters["graph_replays"] + kimi_cg.counters["split_calls"] + kimi_cg.counters["eager_fallbacks"] > 0
+    assert kimi_cg.counters["call_fallbacks"] == 0 and kimi_cg.counters["lift_fallbacks"] == 0
+    assert kimi_cg.fallbacks["out of memory preparing a bucket"] == 1
+
+
 def _distinct_grids(count: int):
     sizes = [(h, w) for h in range(2, 24, 2) for w in range(2, 24, 2)]
     return [[list(sizes[i])] for i in range(count)]
@@ -350,3 +374,47 @@ def test_an_item_without_pixels_raises_eager_error_and_changes_nothing_after_it(
     assert kimi_cg.counters["dynamo_setting_fallbacks"] == 0
     assert kimi_cg.counters["dynamo_graphs"] == graphs  # no retrace after the invalid request
     assert kimi_cg.counters["graph_breaks"] == 0
+
+
+BAD_INPUTS = {
+    "patches_of_another_size": lambda: (torch.randn(24, 3, 28, 28), torch.tensor([[4, 6]])),
+    "no_pixel_rows_for_a_grid": lambda: (torch.randn(0, 3, 14, 14), torch.tensor([[4, 6]])),
+    "float_grid": lambda: (torch.randn(24, 3, 14, 14), torch.tensor([[4.0, 6.0]])),
+    "rows_do_not_match_grid": lambda: (torch.randn(20, 3, 14, 14), torch.tensor([[4, 6]])),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_INPUTS))
+def test_bad_inputs_are_answered_with_eager_error_and_the_next_call_is_right(name):
+    model = build_2d()
+    compiled = torch.compile(model, backend="kimi_cg", options=OPTIONS)
+    for seed, grid in enumerate(GRIDS_2D[:4]):
+        compiled(*make_inputs(grid, seed))
+    with pytest.raises(Exception) as eager_error:
+        model(*BAD_INPUTS[name]())
+    with pytest.raises(Exception) as error:
+        compiled(*BAD_INPUTS[name]())
+    assert isinstance(error.value, type(eager_error.value))  # eager's class (or InvalidInputError also of it)
+    assert str(eager_error.value).splitlines()[0] in str(error.value) or isinstance(error.value, kimi_cg.InvalidInputError)
+    for seed, grid in enumerate(GRIDS_2D[:4], start=20):
+        assert_close_outputs(compiled(*make_inputs(grid, seed)), model(*make_inputs(grid, seed)))
+    assert kimi_cg.counters["dynamo_setting_fallbacks"] == 0
+
+
+def test_a_compiled_call_from_a_forward_hook_of_the_same_model():
+    model = build_2d()
+    compiled = torch.compile(model, backend="kimi_cg", options=OPTIONS)
+    seen = []
+
+    def hook(module, args, output):
+        if not seen:  # once: the hook's own call runs the hook again
+            seen.append(compiled(*make_inputs([[2, 8]], 7)))
+
+    compiled(*make_inputs([[4, 6]]))
+    handle = model.register_forward_hook(hook)
+    try:
+        got = compiled(*make_inputs([[4, 6]], 3))
+    finally:
+        handle.remove()
+    assert_close_outputs(got, model(*make_inputs([[4, 6]], 3)))
+    assert_close_outputs(seen[0], model(*make_inputs([[2, 8]], 7)))

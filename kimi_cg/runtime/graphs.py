@@ -34,6 +34,7 @@ import torch
 import kimi_cg.ops  # noqa: F401  (registers torch.ops.kimi_cg.*)
 from kimi_cg.counters import counters, timings
 from kimi_cg.device_program import DeviceProgram
+from kimi_cg.fallback import record_fallback
 
 logger = logging.getLogger(__name__)
 
@@ -189,6 +190,8 @@ class BucketedGraphs:
         patch_rows = [bounds[i + 1] - bounds[i] for i in range(items)]
         plan_rows = [b - a for a, b in plan]
         need = [max(p, q) for p, q in zip(patch_rows, plan_rows)]  # a bucket holds both (see choose)
+        if not self.capacities:
+            return None
         largest, per_part = max(self.capacities), self.max_segments - 1
         parts: list[list[int]] = []
         loads: list[int] = []
@@ -323,13 +326,33 @@ class BucketedGraphs:
         with torch.inference_mode(False), torch.no_grad():
             for capacity in progress:
                 bucket = _Bucket(capacity)
-                bucket.inputs = self._allocate(capacity, inputs)
-                if self.capture:
-                    self._capture(bucket, inputs)
+                try:
+                    bucket.inputs = self._allocate(capacity, inputs)
+                    if self.capture:
+                        self._capture(bucket, inputs)
+                except torch.OutOfMemoryError as error:
+                    del bucket
+                    self._drop_bucket(capacity, error)
+                    continue
                 self.buckets[capacity] = bucket
         seconds = time.perf_counter() - start
         timings["capture"] += seconds - (timings["device_compile"] - compile_before)  # a first call compiles
         logger.info("kimi_cg: prepared %d buckets %s in %.1f s", len(missing), missing, seconds)
+
+    def _drop_bucket(self, capacity: int, error: BaseException) -> None:
+        """NOTE [memory pressure]: a bucket whose buffers or capture ran out of memory is dropped
+        (buckets are prepared largest first, so the largest go first) and the smaller ones are
+        tried after the allocator's cache is emptied. Calls that needed the dropped bucket split
+        into smaller ones or run the plain device program: slower, never a crash eager would not
+        have. With every bucket dropped, every call runs the plain program."""
+        self.capacities = tuple(c for c in self.capacities if c != capacity)
+        if self.capture and torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        counters["buckets_dropped_for_memory"] += 1
+        record_fallback("out of memory preparing a bucket", f"bucket of {capacity} patches",
+                        str(error).splitlines()[0] if str(error) else "OutOfMemoryError",
+                        f"the bucket is dropped; buckets left: {list(self.capacities)}")
 
     def _arguments(self, bucket: _Bucket, inputs) -> list:
         """The bucket's padded buffers, with the call's own weights in the static positions."""
@@ -369,10 +392,14 @@ class BucketedGraphs:
         torch.cuda.synchronize()
 
     def run(self, inputs, capacity: int):
+        """Replay the bucket of ``capacity`` on these inputs; None when that bucket was dropped
+        (NOTE [memory pressure]): the caller then chooses again or runs the plain program."""
         rows = self.program.output_rows(inputs)
         with self.lock:  # NOTE [concurrent calls]
             self.prepare(inputs)
-            bucket = self.buckets[capacity]
+            bucket = self.buckets.get(capacity)
+            if bucket is None:
+                return None
             if self._last_use is not None:
                 torch.cuda.current_stream().wait_event(self._last_use)
             self._fill(bucket, inputs)

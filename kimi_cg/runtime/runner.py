@@ -144,7 +144,12 @@ class LiftedRunner:
             self.graphs = graphs = self.graphs_for(device_args)  # self.graphs: the latest, for reports only
             capacity = graphs.choose(device_args)
             if capacity is not None:
-                return graphs.run(device_args, capacity)
+                result = graphs.run(device_args, capacity)
+                if result is None:  # that bucket was dropped for memory: choose among the rest
+                    capacity = graphs.choose(device_args)
+                    result = graphs.run(device_args, capacity) if capacity is not None else None
+                if result is not None:
+                    return result
             split = self._run_split(graphs, device_args)
             if split is not None:
                 return split
@@ -176,11 +181,11 @@ class LiftedRunner:
         results = []
         for piece in plan.pieces:
             capacity = graphs.choose(piece)
-            if capacity is None:
-                counters["eager_fallbacks"] += 1  # one item larger than the largest bucket
-                results.append(tuple(self.device(*piece)))
-            else:
-                results.append(graphs.run(piece, capacity))
+            result = graphs.run(piece, capacity) if capacity is not None else None
+            if result is None:
+                counters["eager_fallbacks"] += 1  # one item larger than the largest bucket (or it was dropped)
+                result = tuple(self.device(*piece))
+            results.append(result)
         if plan.in_call_order:
             return tuple(torch.cat(pieces) for pieces in zip(*results))
         outputs = []
