@@ -9,6 +9,8 @@ Keys (missing keys read as 0):
   host_programs_built         host metadata programs built (one per dynamo graph)
   metadata_cache_hits/misses  per-item host metadata lookups
   batch_cache_hits            calls whose whole host pass was reused (same grid, same weights)
+  state_content_checks        state tensors compared with their snapshot (NOTE [state tokens])
+  state_snapshots_taken       state tensors seen new or changed (a new token, a new snapshot)
   graph_replays, captures     CUDA-graph replays and captures (CUDA runtime)
   eager_fallbacks             calls or items that ran the non-graphed device program
   split_calls                 calls too large for one replay, run as several replays of whole items

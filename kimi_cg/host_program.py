@@ -279,7 +279,7 @@ class HostProgram:
         except Exception as error:  # noqa: BLE001 - re-raised with the item named
             raise self._explain(error, inputs) from error
         if key is not None:
-            metadata_store.put(("batch", self.serial, key), outputs, self.owner, self.share)
+            metadata_store.put(("batch", self.serial, key), outputs, self.owner, self.share, pool="batch")
             with self._batches_lock:
                 self._batches[key] = None
                 self._batches.move_to_end(key)

@@ -9,8 +9,10 @@ NOTE [batch metadata cache]) lives in one process-wide store, an LRU bounded in 
   below that: it can lower its share, never raise the process budget or shrink another model's;
 - a value's bytes are those of the distinct storages it holds, counted on the device they live on
   (host metadata of a CUDA tower lives on the GPU); a value larger than its share is not kept.
-Eviction is least-recently-used, first within the owner that overflows, then process-wide. The
-store is safe to use from several threads (one lock; lookups and insertions are short).
+- whole batches may take at most half of either (``BATCH_FRACTION``): a stream of distinct batches
+  then cannot evict the per-item values that make a new batch of seen sizes cheap.
+Eviction is least-recently-used within each of these groups that overflows. The store is safe to
+use from several threads (one lock; lookups and insertions are short).
 
 What else kimi_cg holds is reported, not budgeted here: captured graphs and their static buffers
 (per bucket, freed with the weights they were captured for), device programs (one per structure),
@@ -44,32 +46,42 @@ def _storages(value) -> dict:
     return found
 
 
+BATCH_FRACTION = 0.5
+"""Whole batches (NOTE [batch metadata cache]) may use at most this fraction of a budget: a batch
+holds every item's metadata again, and a stream of distinct batches must not evict the per-item
+values that make new batches of seen sizes cheap."""
+
+
 @dataclasses.dataclass
 class _Entry:
     value: Any
-    owner: str
+    groups: tuple
     bytes: int
     by_device: dict
 
 
 class MetadataStore:
-    """The process-wide LRU of host metadata (NOTE [metadata memory budget])."""
+    """The process-wide LRU of host metadata (NOTE [metadata memory budget]).
+
+    Every entry belongs to groups, each an LRU with a byte limit: the process, its owner, its pool
+    ("item" or "batch") process-wide and within its owner. Inserting evicts the least recently used
+    entries of each group that overflows."""
 
     def __init__(self, budget: int):
         self.budget = budget
-        self._entries: collections.OrderedDict[Any, _Entry] = collections.OrderedDict()
-        self._owner_bytes: collections.Counter[str] = collections.Counter()
-        self._owner_entries: dict[str, collections.OrderedDict] = {}
-        self._bytes = 0
+        self._entries: dict[Any, _Entry] = {}
+        self._groups: dict[tuple, collections.OrderedDict] = {}
+        self._group_bytes: collections.Counter = collections.Counter()
+        self._limits: dict[tuple, int] = {}
         self.evictions = 0
         self._lock = threading.Lock()
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
-            self._owner_bytes.clear()
-            self._owner_entries.clear()
-            self._bytes = 0
+            self._groups.clear()
+            self._group_bytes.clear()
+            self._limits.clear()
             self.evictions = 0
 
     def get(self, key):
@@ -77,12 +89,13 @@ class MetadataStore:
             entry = self._entries.get(key)
             if entry is None:
                 return None
-            self._entries.move_to_end(key)
-            self._owner_entries[entry.owner].move_to_end(key)
+            for group in entry.groups:
+                self._groups[group].move_to_end(key)
             return entry.value
 
-    def put(self, key, value, owner: str, share: int) -> None:
-        """Keep ``value`` under ``key``, counted against ``owner``'s share and the process budget."""
+    def put(self, key, value, owner: str, share: int, pool: str = "item") -> None:
+        """Keep ``value`` under ``key``, counted against ``owner``'s share (at most ``share`` bytes),
+        its pool and the process budget."""
         storages = _storages(value)
         size = sum(storages.values())
         by_device = collections.Counter()
@@ -90,18 +103,22 @@ class MetadataStore:
             by_device[device] += nbytes
         with self._lock:
             share = min(share, self.budget)
-            if size > share:
+            limits = {("process",): self.budget, ("owner", owner): share}
+            if pool == "batch":
+                limits[("pool", pool)] = int(self.budget * BATCH_FRACTION)
+                limits[("owner", owner, pool)] = int(share * BATCH_FRACTION)
+            if size > min(limits.values()):
                 return
             self._remove(key)
-            self._entries[key] = _Entry(value, owner, size, dict(by_device))
-            self._owner_entries.setdefault(owner, collections.OrderedDict())[key] = None
-            self._owner_bytes[owner] += size
-            self._bytes += size
-            owned = self._owner_entries[owner]
-            while self._owner_bytes[owner] > share:
-                self._evict(next(iter(owned)))
-            while self._bytes > self.budget:
-                self._evict(next(iter(self._entries)))
+            entry = _Entry(value, tuple(limits), size, dict(by_device))
+            self._entries[key] = entry
+            for group, limit in limits.items():
+                self._limits[group] = limit
+                self._groups.setdefault(group, collections.OrderedDict())[key] = None
+                self._group_bytes[group] += size
+            for group in entry.groups:
+                while self._group_bytes[group] > self._limits[group]:
+                    self._evict(next(iter(self._groups[group])))
 
     def pop(self, key) -> None:
         with self._lock:
@@ -110,8 +127,12 @@ class MetadataStore:
     def set_budget(self, budget: int) -> None:
         with self._lock:
             self.budget = budget
-            while self._bytes > self.budget:
-                self._evict(next(iter(self._entries)))
+            self._limits[("process",)] = budget
+            if ("pool", "batch") in self._limits:
+                self._limits[("pool", "batch")] = int(budget * BATCH_FRACTION)
+            for group in (("process",), ("pool", "batch")):
+                while self._group_bytes[group] > self._limits.get(group, budget):
+                    self._evict(next(iter(self._groups[group])))
 
     def _evict(self, key) -> None:
         self._remove(key)
@@ -121,18 +142,19 @@ class MetadataStore:
         entry = self._entries.pop(key, None)
         if entry is None:
             return
-        self._owner_entries[entry.owner].pop(key, None)
-        self._owner_bytes[entry.owner] -= entry.bytes
-        self._bytes -= entry.bytes
+        for group in entry.groups:
+            self._groups[group].pop(key, None)
+            self._group_bytes[group] -= entry.bytes
 
     def report(self) -> dict:
         with self._lock:
             by_device = collections.Counter()
             for entry in self._entries.values():
                 by_device.update(entry.by_device)
-            return {"budget_bytes": self.budget, "bytes": self._bytes, "entries": len(self._entries),
+            return {"budget_bytes": self.budget, "bytes": self._group_bytes[("process",)], "entries": len(self._entries),
                     "evictions": self.evictions, "by_device": dict(by_device),
-                    "by_owner": {owner: nbytes for owner, nbytes in self._owner_bytes.items() if nbytes}}
+                    "by_pool": {group[1]: n for group, n in self._group_bytes.items() if group[0] == "pool" and n},
+                    "by_owner": {group[1]: n for group, n in self._group_bytes.items() if group[0] == "owner" and len(group) == 2 and n}}
 
 
 def _budget_from_environment() -> int:

@@ -31,6 +31,8 @@ import threading
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from kimi_cg.counters import counters
+
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -96,11 +98,13 @@ class StateTokens:
         with torch.inference_mode(False), torch.no_grad():
             snapshot = tensor.detach().clone()
         record = _Record(next(self._serials), _layout(tensor), _version(tensor), snapshot)
+        counters["state_snapshots_taken"] += 1
         self._records[tensor] = record
         return record
 
     @staticmethod
     def _unchanged_content(tensors, records, positions: list[int]) -> list[int]:
+        counters["state_content_checks"] += len(positions)
         by_device: dict = {}
         for i in positions:
             by_device.setdefault(tensors[i].device, []).append(i)
