@@ -15,6 +15,7 @@ Keys (missing keys read as 0):
   eager_fallbacks             calls or items that ran the non-graphed device program
   split_calls                 calls too large for one replay, run as several replays of whole items
   buckets_dropped_for_memory  buckets whose buffers or capture ran out of memory (NOTE [memory pressure])
+  capture_failures            graph sets whose device program could not be captured (run padded, uncaptured)
   lift_fallbacks              dynamo graphs kimi_cg could not lift: they run unchanged (reasons in
                               ``kimi_cg.fallbacks``)
   call_fallbacks              calls of a lifted graph that ran the captured graph instead (a call-time

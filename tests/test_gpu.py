@@ -133,11 +133,11 @@ def test_concurrent_replays_from_threads_and_a_side_stream_match_eager(tower):
     torch.manual_seed(0)
     video = tower == "moonvit3d"
     config_class, model_class = (MoonViT3dConfig, MoonViT3dPretrainedModel) if video else (MoonVitConfig, MoonVitPretrainedModel)
-    model = model_class(config_class.tiny()).cuda().eval()
+    model = model_class(config_class.tiny()).cuda().to(torch.bfloat16).eval()  # bf16, as served
     compiled = torch.compile(model, backend="kimi_cg", options={"token_budgets": [256, 512, 1024, 2048], "max_items": 6})
     first = [[1, 4, 6]] if video else [[4, 6]]
     with torch.inference_mode():
-        kimi_cg.warm_up(compiled, torch.randn(24, 3, 14, 14, device="cuda"), torch.tensor(first), max_items=6)
+        kimi_cg.warm_up(compiled, torch.randn(24, 3, 14, 14, device="cuda", dtype=torch.bfloat16), torch.tensor(first), max_items=6)
     chooser = random.Random(0)
     requests = []
     for index in range(120):
@@ -149,7 +149,7 @@ def test_concurrent_replays_from_threads_and_a_side_stream_match_eager(tower):
 
     def pixels(grid, seed):
         rows = int(torch.tensor(grid).prod(-1).sum())
-        return torch.randn(rows, 3, 14, 14, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+        return torch.randn(rows, 3, 14, 14, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)).bfloat16()
 
     with torch.inference_mode():
         want = [model(pixels(grid, seed), torch.tensor(grid)) for grid, seed in requests]
@@ -174,6 +174,7 @@ def test_concurrent_replays_from_threads_and_a_side_stream_match_eager(tower):
     for index, (grid, _) in enumerate(requests):
         got = outputs[index]
         assert not any(torch.isnan(g).any() for g in got), grid
-        assert _relative_error(got, want[index]) <= 1e-3, (grid, _relative_error(got, want[index]))
+        # Against eager bf16 (another thread's rows give ~1.0; bf16 rounding stays below 2e-2).
+        assert _relative_error(got, want[index]) <= 2e-2, (grid, _relative_error(got, want[index]))
     assert kimi_cg.counters["graph_replays"] > 0
     assert kimi_cg.counters["call_fallbacks"] == 0

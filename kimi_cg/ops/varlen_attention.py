@@ -71,13 +71,30 @@ def varlen_attention_reference(
     return out
 
 
+def varlen_attention_masked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
+    """Per-segment attention as one SDPA under a block-diagonal mask made on the device: no host
+    read of cu_seqlens, so a CUDA graph can capture it (fp32 on CUDA, which flash kernels do not
+    take). The [L, L] mask makes it a path for references and tests, not for serving sizes."""
+    check_varlen_inputs(q, k, v, cu_seqlens)
+    rows = torch.arange(q.shape[0], device=q.device)
+    # Row r belongs to segment i when cu_seqlens[i] <= r < cu_seqlens[i + 1].
+    segment = torch.searchsorted(cu_seqlens.to(device=q.device, dtype=torch.int64)[1:].contiguous(), rows, right=True)
+    mask = segment[:, None] == segment[None, :]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)
+
+
 @torch.library.custom_op(f"{_LIBRARY_NAMESPACE}::varlen_attention", mutates_args=())
 def varlen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
 ) -> torch.Tensor:
-    if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
-        # Flash kernels take fp16/bf16 only; fp32 (references, CPU) runs per-segment SDPA.
+    if q.device.type != "cuda":
         return varlen_attention_reference(q, k, v, cu_seqlens)
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        # Flash kernels take fp16/bf16 only; fp32 on CUDA runs masked SDPA (capturable).
+        return varlen_attention_masked(q, k, v, cu_seqlens)
     check_varlen_inputs(q, k, v, cu_seqlens)
     cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32)
     flash_varlen = _flash_attn_varlen_func()

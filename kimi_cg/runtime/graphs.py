@@ -125,6 +125,7 @@ class BucketedGraphs:
         self.max_segments = max_items + 1  # real segments plus the trailing padding segment
         self.max_frames = max_frames
         self.capture = capture
+        self.on_cuda = capture  # capture is asked for exactly when the activations are on CUDA
         self.poison_pool = poison_pool
         self.buckets: dict[int, _Bucket] = {}
         self.pool = None
@@ -334,6 +335,11 @@ class BucketedGraphs:
                     del bucket
                     self._drop_bucket(capacity, error)
                     continue
+                except Exception as error:  # noqa: BLE001 - an uncapturable program still runs padded
+                    if not self.capture:
+                        raise
+                    self._stop_capturing(error)
+                    bucket.graph = None
                 self.buckets[capacity] = bucket
         seconds = time.perf_counter() - start
         timings["capture"] += seconds - (timings["device_compile"] - compile_before)  # a first call compiles
@@ -353,6 +359,17 @@ class BucketedGraphs:
         record_fallback("out of memory preparing a bucket", f"bucket of {capacity} patches",
                         str(error).splitlines()[0] if str(error) else "OutOfMemoryError",
                         f"the bucket is dropped; buckets left: {list(self.capacities)}")
+
+    def _stop_capturing(self, error: BaseException) -> None:
+        """A device program that cannot be captured (an op reads a device value on the host) runs
+        through the padded buffers without capture from now on, instead of failing every call."""
+        self.capture = False
+        for bucket in self.buckets.values():
+            bucket.graph = None
+        counters["capture_failures"] += 1
+        record_fallback("CUDA graph capture failed", "the device program",
+                        f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
+                        "its buckets run padded, without CUDA graphs")
 
     def _arguments(self, bucket: _Bucket, inputs) -> list:
         """The bucket's padded buffers, with the call's own weights in the static positions."""
@@ -412,7 +429,7 @@ class BucketedGraphs:
             results = tuple(
                 out[:n].clone() if isinstance(out, torch.Tensor) and n is not None else out for out, n in zip(outputs, rows)
             )
-            if self.capture:
+            if self.on_cuda:  # captured or not, the static buffers are reused by the next call's stream
                 self._last_use = torch.cuda.Event()
                 self._last_use.record()
             return results
