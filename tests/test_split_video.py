@@ -40,9 +40,10 @@ def compiled_video_tower(options):
 @pytest.mark.parametrize("grid, options", [
     # 160 + 240 patches, 80 + 80 plan rows, largest bucket 384: sorted packing runs item 1 first.
     ([[2, 4, 20], [3, 10, 8]], {"cuda_graphs": True, "token_budgets": [384]}),
-    # 8192 + 16384 patches, 8192 + 4096 plan rows, largest default bucket 16384: item 1 first.
-    ([[1, 64, 128], [4, 64, 64]], {"cuda_graphs": True}),
-], ids=["small_buckets", "default_buckets"])
+    # The reported default-ladder case ([[1, 64, 128], [4, 64, 64]], largest bucket 16384) at a
+    # sixteenth of its size: a geometric ladder 256..1024, 512 + 1024 patches, item 1 first.
+    ([[1, 16, 32], [4, 16, 16]], {"cuda_graphs": True, "min_tokens": 256, "max_tokens": 1024}),
+], ids=["small_buckets", "ladder_buckets"])
 def test_video_split_out_of_call_order_matches_eager(grid, options):
     model, compiled = compiled_video_tower(options)
     with torch.no_grad():
