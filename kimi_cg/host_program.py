@@ -250,6 +250,7 @@ class HostProgram:
         self.grid_positions = [i for i, ref in enumerate(program.inputs) if ref.program == "arg" and ref.index in grid_inputs]
         self._grid_position_set = frozenset(self.grid_positions)
         self.state_positions = [i for i, ref in enumerate(program.inputs) if ref.program == "arg" and ref.index in const_inputs]
+        self._state_position_set = frozenset(self.state_positions)
         self.batch_cache_size = batch_cache_size
         self.serial = next(_HOST_PROGRAM_SERIALS)
         self._batches: collections.OrderedDict = collections.OrderedDict()  # keys of this program's batches, LRU order
@@ -298,11 +299,10 @@ class HostProgram:
         if self.batch_cache_size == 0:
             return None
         parts = [tokens]
-        state = set(self.state_positions)
         for position, value in enumerate(inputs):
             if position in self._grid_position_set:
                 parts.append(tuple(map(tuple, value.tolist())) if value.dim() == 2 else tuple(value.tolist()))
-            elif position in state and isinstance(value, torch.Tensor):
+            elif position in self._state_position_set and isinstance(value, torch.Tensor):
                 continue  # in the tokens
             elif isinstance(value, torch.Tensor):
                 if value.device.type != "cpu" or value.numel() > 64:

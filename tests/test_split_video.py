@@ -13,22 +13,9 @@ from hypothesis import strategies as st
 
 import kimi_cg
 from kimi_cg.models import KimiK25VisionEncoder, MoonViT3dConfig
+from test_runtime import assert_matches_eager  # the bucketed runtime's own helper
 
 SMALL_BUDGETS = [128, 256, 384]
-
-
-def inputs(grid, seed):
-    grid_tensor = torch.tensor(grid)
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(int(grid_tensor.prod(-1).sum()), 3, 14, 14, generator=generator), grid_tensor
-
-
-def assert_matches_eager(compiled, model, grid, seed):
-    pixel_values, grid_tensor = inputs(grid, seed)
-    got, want = compiled(pixel_values, grid_tensor), model(pixel_values, grid_tensor)
-    assert [g.shape for g in got] == [w.shape for w in want]
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
 def compiled_video_tower(options):
