@@ -28,7 +28,6 @@ import threading
 import weakref
 import operator
 import re
-from typing import Any
 
 import torch
 import torch.fx
