@@ -1,9 +1,13 @@
 """Shared fixtures: every test starts with fresh dynamo caches and zeroed kimi_cg counters, in no_grad mode."""
 
+
 import pytest
 import torch
 
 import kimi_cg
+
+# kimi_cg.testing's fixture (kimi_cg_fuzz), as a user enables it.
+pytest_plugins = ["kimi_cg.testing.pytest_plugin"]
 
 
 @pytest.fixture(autouse=True)
