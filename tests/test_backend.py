@@ -11,14 +11,14 @@ import textwrap
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import strategies as st
 
 import kimi_cg
+import kimi_cg.testing
 from kimi_cg.errors import InvalidInputError
 from kimi_cg.models import moonvit
 from kimi_cg.models.moonvit import KimiVLVisionEncoder, MoonVitConfig, MoonVitPretrainedModel
 from kimi_cg.models.moonvit3d import KimiK25VisionEncoder, MoonViT3dConfig, MoonViT3dPretrainedModel
+from kimi_cg.testing.targets import pixel_inputs
 
 # fp32: compiled vs eager within 1e-5 relative (design brief); outputs are O(1) after LayerNorm.
 RTOL, ATOL = 1e-5, 1e-5
@@ -39,90 +39,37 @@ def assert_same_outputs(compiled, eager):
         torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
 
 
-def _side(draw, small_bias: bool = True) -> int:
-    if small_bias and draw(st.booleans()):
-        return 2 * draw(st.integers(1, 8))
-    return 2 * draw(st.integers(1, 32))
-
-
-@st.composite
-def image_batches(draw, max_patches: int):
-    """N in 1..8 items, h and w even in [2, 64] (2 x 64 strips included), total patches capped."""
-    count = draw(st.integers(1, 8))
-    grid = []
-    for _ in range(count):
-        if draw(st.integers(0, 9)) == 0:
-            h, w = draw(st.sampled_from([(2, 64), (64, 2)]))
-        else:
-            h, w = _side(draw), _side(draw)
-        if grid and sum(a * b for a, b in grid) + h * w > max_patches:
-            break
-        grid.append([h, w])
-    return grid
-
-
-@st.composite
-def chunk_batches(draw, max_patches: int):
-    """Images and video chunks: t in 1..4 (a third of the items are video)."""
-    count = draw(st.integers(1, 8))
-    grid = []
-    for _ in range(count):
-        t = draw(st.integers(2, 4)) if draw(st.integers(0, 2)) == 0 else 1
-        h, w = _side(draw), _side(draw)
-        if grid and sum(a * b * c for a, b, c in grid) + t * h * w > max_patches:
-            break
-        grid.append([t, h, w])
-    return grid
-
-
 TOWERS = [
-    pytest.param(lambda impl: MoonVitPretrainedModel(MoonVitConfig.tiny(attn_implementation=impl)), image_batches, id="moonvit"),
-    pytest.param(lambda impl: MoonViT3dPretrainedModel(MoonViT3dConfig.tiny(attn_implementation=impl)), chunk_batches, id="moonvit3d"),
+    # N in 1..8 items, even sides up to 64 (2 x 64 strips, the 8 x 8 position table's edge, realistic
+    # aspect ratios included); MoonViT3d also video chunks, t in 2..4 for a third of the items.
+    pytest.param(lambda impl: MoonVitPretrainedModel(MoonVitConfig.tiny(attn_implementation=impl)), 2, id="moonvit"),
+    pytest.param(lambda impl: MoonViT3dPretrainedModel(MoonViT3dConfig.tiny(attn_implementation=impl)), 3, id="moonvit3d"),
 ]
 
 
-BATCHES_PER_EXAMPLE = 4
-
-
-@pytest.mark.parametrize("build, batches", TOWERS)
+@pytest.mark.parametrize("build, dims", TOWERS)
 @pytest.mark.parametrize("impl, max_patches", [("flash_attention_2", 6000), ("sdpa", 2500)])
-def test_fuzzed_batches_match_eager_with_one_device_program(build, batches, impl, max_patches):
+def test_fuzzed_batches_match_eager_with_one_device_program(build, dims, impl, max_patches):
     torch.manual_seed(0)
     model = build(impl).eval()
     compiled = torch.compile(model, backend="kimi_cg")  # one compiled model for every example
-    grids: list[list[list[int]]] = []
-    programs_after_warmup = []
-
-    # Each example is a short sequence of batches run through the same compiled model, so the
-    # model compiles once and hypothesis still draws many distinct grids (with max_examples=1 it
-    # draws its simplest example only: one 2x2 image). No shrinking: each failure names its grid.
-    @settings(max_examples=14, deadline=None, suppress_health_check=list(HealthCheck), database=None,
-              phases=[Phase.explicit, Phase.generate])
-    @given(st.lists(batches(max_patches), min_size=BATCHES_PER_EXAMPLE, max_size=BATCHES_PER_EXAMPLE))
-    def run(sequence):
-        with torch.no_grad():
-            for grid in sequence:
-                pixel_values, grid_tensor = make_inputs(grid, seed=len(grids))
-                try:
-                    assert_same_outputs(compiled(pixel_values, grid_tensor), model(pixel_values, grid_tensor))
-                except AssertionError as error:
-                    raise AssertionError(f"batch {len(grids)} grid {grid}: {error}") from error
-                grids.append(grid)
-                if len(grids) == 6:
-                    programs_after_warmup.append(kimi_cg.counters["device_programs_compiled"])
-
-    run()
-    assert len(grids) >= 48
+    strategy = kimi_cg.testing.grids(dims=dims, max_items=8, max_side=64, max_patches=max_patches, table_size=8,
+                                     video_fraction=0.33)
+    item = [[2, 2]] if dims == 2 else [[1, 2, 2]]
+    taller = [[4, 2]] if dims == 2 else [[1, 4, 2]]
+    # The warm-up traces one item twice (static first trace, then dynamic in the patch count): after
+    # it no device program compiles, whatever the item count.
+    report = kimi_cg.testing.assert_matches_eager(model, compiled, pixel_inputs("cpu", torch.float32), strategy,
+                                                  max_examples=48, warm_up=[item, taller], no_compiles_after_warm_up=True,
+                                                  no_graph_breaks=True, no_fallbacks=True)
     # The fuzzing must fuzz: many distinct grids and item counts.
-    assert len({str(g) for g in grids}) >= len(grids) // 5 and len({len(g) for g in grids}) >= 4
-    assert kimi_cg.counters["graph_breaks"] == 0
+    assert report.examples >= 50 and report.distinct_grids >= report.examples // 5 and len(report.item_counts) >= 4
     # One graph per distinct N, plus two: dynamo's first trace has static shapes and the lazily built
     # RoPE table forces one more trace. NOTE [dynamo graph count] in docs/design.md.
-    assert kimi_cg.counters["dynamo_graphs"] <= len({len(g) for g in grids}) + 2
+    assert report.counters["dynamo_graphs"] <= len(set(report.item_counts) | {1}) + 2
     # Device programs: the static first-shape one and one dynamic program for everything after.
-    assert kimi_cg.counters["device_programs_compiled"] <= 2
-    assert kimi_cg.counters["device_programs_compiled"] == programs_after_warmup[0]
-    assert kimi_cg.counters["host_programs_built"] == kimi_cg.counters["dynamo_graphs"]
+    assert report.counters["device_programs_compiled"] <= 2
+    assert report.counters["host_programs_built"] == report.counters["dynamo_graphs"]
 
 
 @pytest.mark.parametrize(

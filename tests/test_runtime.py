@@ -7,18 +7,17 @@ import pytest
 import torch
 
 import kimi_cg
+import kimi_cg.testing
 from kimi_cg.config import KimiCGConfig
+from kimi_cg.testing.targets import pixel_inputs
 from kimi_cg.models import KimiK25VisionEncoder, KimiVLVisionEncoder, MoonViT3dConfig, MoonVitConfig, MoonVitPretrainedModel
 
 OPTIONS = {"cuda_graphs": True, "token_budgets": [256, 1024, 2048], "max_items": 4}
 
 
 def assert_matches_eager(compiled, model, grid, seed):
-    pixel_values, grid_tensor = inputs(grid, seed)
-    got, want = compiled(pixel_values, grid_tensor), model(pixel_values, grid_tensor)
-    assert [g.shape for g in got] == [w.shape for w in want]
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    """One grid through kimi_cg.testing's check (fp32 rule, eager's structure, no new NaN)."""
+    kimi_cg.testing.assert_matches_eager(model, compiled, pixel_inputs("cpu", torch.float32), grids=[grid], seed=seed)
 
 
 def inputs(grid, seed):

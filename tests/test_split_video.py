@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, example, given, settings
-from hypothesis import strategies as st
 
 import kimi_cg
+import kimi_cg.testing
 from kimi_cg.models import KimiK25VisionEncoder, MoonViT3dConfig
-from test_runtime import assert_matches_eager  # the bucketed runtime's own helper
+from kimi_cg.testing.targets import pixel_inputs
+from test_runtime import assert_matches_eager  # one grid through kimi_cg.testing
 
 SMALL_BUDGETS = [128, 256, 384]
 
@@ -61,42 +61,20 @@ def test_video_split_keeps_sorted_packing_when_ratios_are_ambiguous(monkeypatch)
     assert kimi_cg.counters["call_fallbacks"] == 0
 
 
-@st.composite
-def video_grids(draw):
-    """Two or three chunks, t in 1..4, even sides: at most 4 * 12 * 12 = 576 patches per chunk."""
-    count = draw(st.integers(2, 3))
-    side = st.integers(1, 6).map(lambda half: 2 * half)
-    return [[draw(st.integers(1, 4)), draw(side), draw(side)] for _ in range(count)]
-
-
-BATCHES_PER_EXAMPLE = 3
-
-
 def test_fuzzed_video_splits_match_eager():
     model, compiled = compiled_video_tower({"cuda_graphs": True, "token_budgets": SMALL_BUDGETS})
     largest = max(SMALL_BUDGETS)
-    grids: list[list[list[int]]] = []
-    with torch.no_grad():
-        assert_matches_eager(compiled, model, [[1, 4, 6]], seed=0)
 
-    # One compiled model for every example (see test_backend's fuzz test); no shrinking: each
-    # failure names its grid.
-    @settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck), database=None,
-              phases=[Phase.explicit, Phase.generate])
-    @given(st.lists(video_grids(), min_size=BATCHES_PER_EXAMPLE, max_size=BATCHES_PER_EXAMPLE))
-    @example([[[2, 4, 20], [3, 10, 8]], [[1, 12, 12], [4, 8, 8], [2, 6, 10]], [[4, 2, 2], [1, 10, 12], [3, 8, 6]]])
-    def run(sequence):
-        with torch.no_grad():
-            for grid in sequence:
-                splits_before = kimi_cg.counters["split_calls"]
-                try:
-                    assert_matches_eager(compiled, model, grid, seed=len(grids) + 1)
-                except AssertionError as error:
-                    raise AssertionError(f"grid {grid}: {error}") from error
-                must_split = sum(t * h * w for t, h, w in grid) > largest
-                assert kimi_cg.counters["split_calls"] - splits_before == int(must_split), f"grid {grid}"
-                grids.append(grid)
+    def splits_when_too_large(grid, changes):
+        must_split = sum(t * h * w for t, h, w in grid) > largest
+        assert changes.get("split_calls", 0) == int(must_split), f"split_calls {changes.get('split_calls', 0)}"
 
-    run()
+    # Two or three chunks, t in 1..4 (three quarters video), even sides up to 12: at most 576 patches a chunk.
+    chunks = kimi_cg.testing.grids(dims=3, min_items=2, max_items=3, max_side=12, max_patches=3 * 576,
+                                   video_fraction=0.75, families=("uniform",))
+    warm = [[[1, 4, 6]], [[2, 4, 20], [3, 10, 8]], [[1, 12, 12], [4, 8, 8], [2, 6, 10]]]
+    report = kimi_cg.testing.assert_matches_eager(model, compiled, pixel_inputs("cpu", torch.float32), chunks,
+                                                  max_examples=24, warm_up=warm, expect=splits_when_too_large,
+                                                  no_fallbacks=True)
     assert kimi_cg.counters["call_fallbacks"] == 0
-    assert kimi_cg.counters["split_calls"] >= len(grids) // 4  # the sweep must split
+    assert kimi_cg.counters["split_calls"] >= report.examples // 4  # the sweep must split

@@ -101,6 +101,7 @@ def assert_matches_eager(
     no_compiles_after_warm_up: bool = False,
     no_fallbacks: bool = False,
     no_graph_breaks: bool = False,
+    expect: Callable[[list[list[int]], dict], None] | None = None,
     relative_tolerance: float | None = None,
     rounding_floor: float | None = None,
 ) -> FuzzReport:
@@ -119,16 +120,19 @@ def assert_matches_eager(
       with floating tensors cast to fp32. ``relative_tolerance`` / ``rounding_floor`` override the rule.
     - ``outputs``: maps a return value to what is compared (default: all of it).
     - Counter expectations: ``no_graph_breaks``; ``no_fallbacks`` (no lift, call or frame fallback on
-      any example, and no eager fallback on an example within the buckets of ``options``);
+      any example, and no eager fallback on an example within the buckets of ``options``, by default
+      the options ``compiled`` was compiled with);
       ``no_compiles_after_warm_up`` (no device compile and no capture after the ``warm_up`` batches,
-      which run first and are checked like the rest).
+      which run first and are checked like the rest); ``expect(grid, changes)``: your own check, given
+      the grid and the ``kimi_cg.counters`` changes of its compiled call (an AssertionError it raises
+      fails the example like a mismatch, shrunk and reported with the grid).
     Returns a :class:`FuzzReport`; raises :class:`MismatchError` on the first (shrunk) failure.
     """
     if not isinstance(max_examples, int) or max_examples < 1:
         raise ValueError(f"max_examples must be a positive int; got {max_examples!r}")
     if no_compiles_after_warm_up and not warm_up:
         raise ValueError("no_compiles_after_warm_up needs warm_up batches (a list of grids run first)")
-    config = KimiCGConfig.from_options(options)
+    config = KimiCGConfig.from_options(options if options is not None or compiled is None else _options_of(compiled))
     if compiled is None:
         compile_options = {**(options or {}), **({"poison_graph_pool": True} if poison_graph_pool else {})}
         compiled = torch.compile(model, backend="kimi_cg", options=compile_options)
@@ -139,7 +143,7 @@ def assert_matches_eager(
     if rule.needs_reference and reference is None:
         reference = copy.deepcopy(model).float()
     checker = _Checker(model, compiled, make_inputs, rule, reference, outputs or (lambda value: value), seed,
-                       config, no_fallbacks, no_graph_breaks)
+                       config, no_fallbacks, no_graph_breaks, expect)
     start = time.perf_counter()
     for grid in warm_up or ():
         checker.check(grid)
@@ -176,10 +180,11 @@ def _run_hypothesis(checker: "_Checker", strategy, max_examples: int, seed: int,
 
 
 class _Checker:
-    def __init__(self, model, compiled, make_inputs, rule, reference, outputs, seed, config, no_fallbacks, no_graph_breaks):
+    def __init__(self, model, compiled, make_inputs, rule, reference, outputs, seed, config, no_fallbacks, no_graph_breaks,
+                 expect):
         self.model, self.compiled, self.make_inputs, self.rule = model, compiled, make_inputs, rule
         self.reference, self.outputs, self.seed, self.config = reference, outputs, seed, config
-        self.no_fallbacks, self.no_graph_breaks = no_fallbacks, no_graph_breaks
+        self.no_fallbacks, self.no_graph_breaks, self.expect = no_fallbacks, no_graph_breaks, expect
         self.no_compiles_from: dict | None = None
         self.start_counters = dict(counters)
         self.grids: list[list[list[int]]] = []
@@ -245,7 +250,10 @@ class _Checker:
             error, allowed, text = self._error(g, w, r)
             score = error / allowed if allowed > 0 else (math.inf if error > 0 else 0.0)
             if score > self.worst["score"]:
-                self.worst = {"score": score, "where": f"grid {grid} {path}", "text": text}
+                self.worst = {"score": score, "where": f"grid {grid} {path}", "text": text, "error": error,
+                              "allowed": allowed}
+                if self.rule.needs_reference:
+                    self.worst["eager_error"] = (allowed - self.rule.floor) / self.rule.factor
             if error > allowed:
                 detail = self._worst_item(grid, owned, g, w, r)
                 self._fail(grid, f"{path}: {text} ({self.rule.describe()})", {"path": path, **detail})
@@ -296,6 +304,11 @@ class _Checker:
                 fell_back["eager_fallbacks"] = changed["eager_fallbacks"]
             if fell_back:
                 self._fail(grid, f"fell back: {fell_back} (kimi_cg.fallbacks: {dict(fallbacks)})", {})
+        if self.expect is not None:
+            try:
+                self.expect(grid, changed)
+            except AssertionError as error:
+                self._fail(grid, f"expect({grid}, counter changes) failed: {error} (changes: {changed})", {})
         if self.no_compiles_from is not None:
             compiled = {key: counters[key] - value for key, value in self.no_compiles_from.items() if counters[key] != value}
             if compiled:
@@ -314,6 +327,20 @@ class _Checker:
         lines.append(f"  reproduce: kimi_cg.testing.assert_matches_eager(model, compiled, make_inputs, grids=[{grid}], "
                      f"seed={self.seed})")
         raise MismatchError("\n".join(lines), grid, self.seed, {"what": what, **detail})
+
+
+def _options_of(compiled) -> dict | None:
+    """The ``options=`` a ``torch.compile`` result was made with: torch.compile keeps them in the
+    ``kwargs`` of its backend wrappers (found by walking them; None when the layout is not that)."""
+    wrapper = getattr(getattr(compiled, "dynamo_ctx", None), "callback", None)
+    for _ in range(8):
+        if wrapper is None:
+            return None
+        options = (getattr(wrapper, "kwargs", None) or {}).get("options")
+        if options is not None:
+            return dict(options)
+        wrapper = getattr(wrapper, "_torchdynamo_orig_backend", None) or getattr(wrapper, "compiler_fn", None)
+    return None
 
 
 def _model_dtype(model) -> torch.dtype:
