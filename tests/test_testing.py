@@ -7,6 +7,7 @@ import math
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -232,3 +233,12 @@ def test_command_line_fuzzes_the_tiny_tower_in_under_a_minute():
     bad = subprocess.run([sys.executable, "-m", "kimi_cg.testing", "kimi_cg.testing.targets:nothing_here"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "nothing_here" in bad.stderr
+
+
+def test_example_script_fuzzes_a_transformers_tower_from_the_command_line():
+    pytest.importorskip("transformers.models.qwen2_vl.modeling_qwen2_vl")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "fuzz_transformers_tower.py"
+    result = subprocess.run([sys.executable, "-m", "kimi_cg.testing", f"{script}:qwen2_vl",
+                             "--examples", "4"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "4 examples passed" in result.stdout and "output['last_hidden_state']" in result.stdout
