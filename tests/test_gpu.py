@@ -88,8 +88,9 @@ def test_graph_replays_match_eager_bf16(tower, size, count):
     counters = dict(kimi_cg.counters)
     assert report.examples >= 0.9 * count  # hypothesis may stop a little early
     # The fuzzing fuzzes (hypothesis repeats its simplest grids often).
-    assert report.distinct_grids >= report.examples // 5 and len(report.item_counts) >= 6
-    assert counters["dynamo_graphs"] <= len(report.item_counts) + 2  # NOTE [dynamo graph count]
+    # (48 real-size examples drew 5 of the 8 item counts on 2026-11-30; 300 tiny ones all 8)
+    assert report.distinct_grids >= report.examples // 5 and len(report.item_counts) >= (6 if count >= 100 else 4)
+    assert counters["dynamo_graphs"] == warm["dynamo_graphs"]  # warm_up traced every count 1..8: no retrace
     assert counters["device_programs_compiled"] == warm["device_programs_compiled"]  # none after warm-up
     assert counters.get("graph_replays", 0) > 0
     _record(f"{tower}-{size}", report, counters,
@@ -111,7 +112,7 @@ def test_transformers_kimi_k25_tower_matches_eager_bf16():
 
     def make_inputs(grid):
         pixels, grid_thw = tower.make_inputs(grid)
-        return pixels.cuda().bfloat16(), grid_thw
+        return pixels.cuda().bfloat16(), grid_thw.cuda()  # this tower builds its indices on grid_thw's device
 
     compiled = torch.compile(model, backend="kimi_cg", options={"poison_graph_pool": True})
     # transformers 5.17's temporal merger needs one t per batch: images only here.
