@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import operator
-import os
 import threading
 import time
 import weakref
@@ -28,6 +27,7 @@ from kimi_cg.lift import source_location, split
 from kimi_cg.runtime.graphs import BucketedGraphs, input_rules
 from kimi_cg.runtime.runner import LiftedRunner
 from kimi_cg.debug import report_graph_break, write_lift_report
+from kimi_cg.debug.dump import GraphDump, frame_of, start_graph
 
 logger = logging.getLogger(__name__)
 
@@ -57,27 +57,28 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, config: KimiCGConfi
         dynamo_settings.install()
     counters["dynamo_graphs"] += 1
     graph_id = counters["dynamo_graphs"]
-    debug_dir = os.path.join(config.debug_dir, f"graph_{graph_id:03d}") if config.debug_dir else None
     report_graph_break(gm)
     inputs = capture.classify_inputs(gm)
+    dump = start_graph(config.debug_dir, gm, frame_of(gm), _grid_at_trace(inputs, example_inputs))
     activations = [item.index for item in inputs if item.role is capture.InputRole.ACTIVATION]
     if not activations or not any(item.role is capture.InputRole.GRID for item in inputs):
         logger.info("kimi_cg: graph %d has no activation/grid inputs; running it unchanged", graph_id)
+        dump.update(status="runs unchanged (no activation and grid inputs)")
         return _run_captured(gm)
     try:
         # The passes rewrite a copy: dynamo's graph stays pristine, to run when lifting fails.
-        return _lift(capture.working_copy(gm), gm, inputs, activations, example_inputs, config, debug_dir)
+        return _lift(capture.working_copy(gm), gm, inputs, activations, example_inputs, config, dump)
     except Exception as error:  # noqa: BLE001 - NOTE [errors by who must act]: never a crash where eager runs
-        return _unlifted(gm, error, config)
+        return _unlifted(gm, error, config, dump)
 
 
 def _lift(work: torch.fx.GraphModule, pristine: torch.fx.GraphModule, inputs, activations, example_inputs,
-          config: KimiCGConfig, debug_dir: str | None):
-    SeparableResizePass(debug_dir)(work)
-    SegmentAttentionPass(debug_dir)(work)
-    MergeGatherPass(debug_dir)(work)
-    FuseGatherLayerNormPass(debug_dir)(work)
-    RealRopePass(debug_dir)(work)
+          config: KimiCGConfig, dump: GraphDump):
+    SeparableResizePass(dump)(work)
+    SegmentAttentionPass(dump)(work)
+    MergeGatherPass(dump)(work)
+    FuseGatherLayerNormPass(dump)(work)
+    RealRopePass(dump)(work)
     inputs = capture.classify_inputs(work)
     lifted = split(work, inputs)
     grid_inputs = [item.index for item in inputs if item.role is capture.InputRole.GRID]
@@ -89,13 +90,13 @@ def _lift(work: torch.fx.GraphModule, pristine: torch.fx.GraphModule, inputs, ac
     if not _has_dynamic_patch_count(inputs):
         compiler = "eager"  # dynamo's first, static-shape trace serves one L: not worth an Inductor compile
     device = get_device_program(lifted.device.gm, compiler, host_inputs)
-    if debug_dir:
-        write_lift_report(debug_dir, lifted, host, device)
+    write_lift_report(dump, lifted, host, device)
+    dump.update(status="lifted", device_program=device.key)
     graphs = _bucketed_graphs(config, lifted, inputs, device, example_inputs)
     return LiftedRunner(lifted, host, device, activations[0], graphs, fallback=pristine.forward, strict=config.strict)
 
 
-def _unlifted(gm: torch.fx.GraphModule, error: Exception, config: KimiCGConfig):
+def _unlifted(gm: torch.fx.GraphModule, error: Exception, config: KimiCGConfig, dump: GraphDump):
     """What runs when a graph cannot be lifted: the captured graph unchanged, or (strict) an error
     raised when the graph is called, so that the caller sees kimi_cg's own error class."""
     if isinstance(error, UnsupportedGraphError):
@@ -103,14 +104,19 @@ def _unlifted(gm: torch.fx.GraphModule, error: Exception, config: KimiCGConfig):
     else:
         reason, detail = f"internal error ({type(error).__name__})", f"{type(error).__name__}: {error}"
         logger.debug("kimi_cg: internal error while lifting", exc_info=True)
+    where = getattr(error, "where", None) or _first_user_location(gm)
+    record = dump.failed(error, reason, where)
+    if record is not None:
+        detail += f" (dump: {record})"
     if config.strict:
-        if not isinstance(error, UnsupportedGraphError):
-            unsupported = UnsupportedGraphError(f"kimi_cg could not lift this graph: {detail}", reason)
+        if not isinstance(error, UnsupportedGraphError) or record is not None:
+            message = detail if isinstance(error, UnsupportedGraphError) else f"kimi_cg could not lift this graph: {detail}"
+            unsupported = UnsupportedGraphError(message, reason, getattr(error, "where", None))
             unsupported.__cause__ = error
             error = unsupported
         return _raise_when_called(error)
     counters["lift_fallbacks"] += 1
-    record_fallback(reason, getattr(error, "where", None) or _first_user_location(gm), detail, "this graph runs unlifted")
+    record_fallback(reason, where, detail, "this graph runs unlifted")
     return _run_captured(gm)
 
 
@@ -147,6 +153,16 @@ def _first_user_location(gm: torch.fx.GraphModule) -> str:
         if node.meta.get("stack_trace"):
             return source_location(node)
     return "an unknown location"
+
+
+def _grid_at_trace(inputs, example_inputs) -> list | None:
+    """The grid values of the call dynamo traced this graph for (when its grid input is a real tensor)."""
+    for item in inputs:
+        if item.role is capture.InputRole.GRID and item.index < len(example_inputs):
+            value = example_inputs[item.index]
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch._subclasses.FakeTensor) and value.numel() <= 1024:
+                return value.tolist()
+    return None
 
 
 def _has_dynamic_patch_count(inputs) -> bool:

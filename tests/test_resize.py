@@ -9,6 +9,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import kimi_cg
+from dumps import last_lifted_graph
 from kimi_cg.canonicalize.separable_resize import SeparableResizePass
 from kimi_cg.models.moonvit import MoonVitConfig, MoonVitPretrainedModel
 from kimi_cg.ops.resize import bicubic_resize
@@ -99,8 +100,9 @@ def test_backend_resizes_position_grids_without_aten_bicubic(tmp_path):
             got, want = compiled(pixels, grid_tensor), model(pixels, grid_tensor)
             for a, b in zip(got, want):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    last = sorted(p for p in tmp_path.iterdir() if p.name.startswith("graph_"))[-1]
-    code = "\n".join(line for line in (last / "separable_resize.after.py").read_text().splitlines()
-                     if not line.strip().startswith("#"))
-    assert "kimi_cg.bicubic_resize" in code and "interpolate(" not in code
+    last = last_lifted_graph(tmp_path)
+    diff = next(last.glob("*_separable_resize.diff")).read_text().splitlines()  # what the pass changed
+    added = "\n".join(line for line in diff if line.startswith("+") and not line[1:].strip().startswith("#"))
+    removed = "\n".join(line for line in diff if line.startswith("-") and not line[1:].strip().startswith("#"))
+    assert "kimi_cg.bicubic_resize" in added and "interpolate(" in removed and "interpolate(" not in added
     assert kimi_cg.counters["graph_breaks"] == 0

@@ -1,10 +1,9 @@
-"""The pass wrapper: timing, logging and optional before/after dumps for every pass."""
+"""The pass wrapper: timing, logging and, when dumping, the graph after every pass that changed it."""
 
 from __future__ import annotations
 
 import logging
 import operator
-import os
 import time
 
 import torch
@@ -18,30 +17,24 @@ class GraphPass:
 
     name = "pass"
 
-    def __init__(self, debug_dir: str | None = None):
-        self.debug_dir = debug_dir
+    def __init__(self, dump=None):
+        self.dump = dump  # kimi_cg.debug.dump.GraphDump or None
         self.report: dict = {}
 
     def run(self, gm: torch.fx.GraphModule) -> dict:
         raise NotImplementedError
 
     def __call__(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-        self._dump(gm, "before")
+        before = gm.code if self.dump is not None and self.dump.enabled else None
         start = time.perf_counter()
         self.report = self.run(gm) or {}
         gm.graph.lint()
         gm.recompile()
         elapsed_ms = (time.perf_counter() - start) * 1e3
         logger.debug("%s: %.1f ms, %s", self.name, elapsed_ms, self.report)
-        self._dump(gm, "after")
+        if before is not None and gm.code != before:  # a pass that changed nothing writes nothing
+            self.dump.stage(self.name, lambda: gm.print_readable(print_output=False))
         return gm
-
-    def _dump(self, gm: torch.fx.GraphModule, when: str) -> None:
-        if not self.debug_dir:
-            return
-        os.makedirs(self.debug_dir, exist_ok=True)
-        with open(os.path.join(self.debug_dir, f"{self.name}.{when}.py"), "w") as f:
-            f.write(gm.print_readable(print_output=False))
 
 
 def stable_topological_sort(graph: torch.fx.Graph) -> None:

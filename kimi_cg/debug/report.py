@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import linecache
 import logging
-import os
 
 import torch
 
@@ -79,13 +78,14 @@ def clear_reports() -> None:
     _reported.clear()
 
 
-def write_lift_report(debug_dir: str, lifted, host, device) -> None:
-    os.makedirs(debug_dir, exist_ok=True)
-    for name, program in (("host", host.gm), ("device", lifted.device.gm), ("post", lifted.post.gm)):
-        with open(os.path.join(debug_dir, f"{name}_program.py"), "w") as f:
-            f.write(program.print_readable(print_output=False))
+def write_lift_report(dump, lifted, host, device) -> None:
+    """The host, device and post programs and the lift report, into the graph's dump (a GraphDump)."""
+    if not dump.enabled:
+        return
+    for name, program in (("host", host.gm), ("post", lifted.post.gm)):
+        dump.file(f"{name}_program.py", lambda program=program: program.print_readable(print_output=False))
+    dump.shared_file("device_programs", device.key, lambda: lifted.device.gm.print_readable(print_output=False))
     report = dict(lifted.report)
     report["device_program_key"] = device.key
     report["item_values_cached"] = host.items_cached
-    with open(os.path.join(debug_dir, "lift_report.json"), "w") as f:
-        json.dump(report, f, indent=2, default=str)
+    dump.file("lift_report.json", lambda: json.dumps(report, indent=2, default=str))

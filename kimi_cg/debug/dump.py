@@ -1,0 +1,231 @@
+"""Debug dumps: a run folder per process, a folder per dynamo graph named by dynamo's compile id, an index.
+
+With ``debug_dir`` (option or ``KIMI_CG_DEBUG_DIR``)::
+
+    <debug_dir>/run_<UTC yyyymmdd-hhmmss>_pid<pid>/     one per process: a second run never mixes in
+        index.md, index.json                           every graph: compile id, frame, grid, status,
+                                                       fallback reason, device program, files
+        compile_<frame>_<compile>/                     dynamo's compile id [frame/compile]
+            00_dynamo_graph.py                         the graph kimi_cg received
+            NN_<pass>.diff                             what each pass that changed the graph changed
+                                                       (a unified diff against the stage before)
+            host_program.py, post_program.py, lift_report.json
+            error.txt                                  why lifting failed (with the traceback)
+        device_programs/<key>.py                       each device program once (graphs share them)
+
+Every stage is also a ``torch._logging.trace_structured`` artifact (``kimi_cg_<stage>``), so a run under
+``TORCH_TRACE=<dir>`` shows kimi_cg's graphs in tlparse beside dynamo's and Inductor's, with or without
+``debug_dir``. Payloads are formatted only when a dump folder or a trace wants them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import difflib
+import json
+import os
+import re
+import threading
+import traceback
+from typing import Any, Callable
+
+import torch
+
+_runs: dict[str, "_Run"] = {}  # debug root -> this process's run folder
+_emitted_shared: dict[int, set] = {}  # id(run) (None: trace only) -> shared files already written
+_lock = threading.Lock()
+
+
+class _Run:
+    def __init__(self, root: str):
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+        self.folder = os.path.join(root, f"run_{stamp}_pid{os.getpid()}")
+        os.makedirs(self.folder, exist_ok=True)
+        self.entries: list[dict] = []
+
+    def write_index(self) -> None:
+        with _lock:
+            entries = [dict(entry) for entry in self.entries]
+        _write_atomically(os.path.join(self.folder, "index.json"), json.dumps({"graphs": entries}, indent=2, default=str))
+        lines = ["# kimi_cg debug dump", "", f"Process {os.getpid()}, torch {torch.__version__}. One row per dynamo graph "
+                 "kimi_cg received, in compile order.", "",
+                 "| compile id | frame | grid at trace | status | device program | folder |",
+                 "|---|---|---|---|---|---|"]
+        for entry in entries:
+            status = entry["status"]
+            if entry.get("reason"):
+                status += f": {entry['reason']} at {entry.get('where', '?')}"
+            if entry.get("graph_break"):
+                status += f" (ends at a graph break: {entry['graph_break']})"
+            lines.append(f"| [{entry['compile_id']}] | {entry['frame']} | {entry.get('grid', '-')} | {status} | "
+                         f"{entry.get('device_program', '-')} | [{entry['folder']}]({entry['folder']}/) |")
+        lines += ["", "Per graph folder: 00_dynamo_graph.py (as received), NN_<pass>.diff (what each pass that changed "
+                  "the graph changed), host and post programs, lift_report.json, error.txt when lifting failed. "
+                  "device_programs/: each device program once."]
+        _write_atomically(os.path.join(self.folder, "index.md"), "\n".join(lines) + "\n")
+
+
+class GraphDump:
+    """The dump of one dynamo graph: files in its folder (when dumping), artifacts in TORCH_TRACE."""
+
+    def __init__(self, run: _Run | None, gm: torch.fx.GraphModule, compile_id: str, frame: str):
+        self.run, self.stage_count, self.previous = run, 0, None
+        self.folder = None
+        self.entry = {"compile_id": compile_id, "frame": frame, "status": "compiling", "files": []}
+        if run is not None:
+            name = "compile_" + compile_id.replace("/", "_").replace(" ", "")
+            with _lock:
+                taken = {entry["folder"] for entry in run.entries}
+                folder, suffix = name, 1
+                while folder in taken:  # a second backend call within one compile id
+                    suffix += 1
+                    folder = f"{name}_graph{suffix}"
+                self.entry["folder"] = folder
+                run.entries.append(self.entry)
+            self.folder = os.path.join(run.folder, folder)
+            os.makedirs(self.folder, exist_ok=True)
+
+    @property
+    def enabled(self) -> bool:
+        return self.folder is not None or _tracing()
+
+    def stage(self, name: str, text: Callable[[], str]) -> None:
+        """Record one stage, numbered in order: the first in full (``00_name.py``), later ones as a
+        unified diff against the stage before (``NN_name.diff``: graphs of unrolled towers are large
+        and a pass changes a few lines per layer), and a trace artifact of the same."""
+        if not self.enabled:
+            return
+        current = text()
+        if self.previous is None:
+            file_name, payload = f"{self.stage_count:02d}_{name}.py", current
+        else:
+            file_name = f"{self.stage_count:02d}_{name}.diff"
+            payload = "".join(difflib.unified_diff(self.previous.splitlines(keepends=True), current.splitlines(keepends=True),
+                                                   fromfile=self.previous_name, tofile=name))
+        self.previous, self.previous_name = current, name
+        self.stage_count += 1
+        self._emit(file_name, name, payload)
+
+    def shared_file(self, kind: str, key: str, text: Callable[[], str]) -> str | None:
+        """Record a file that several graphs share (a device program) once per run, under ``kind/``;
+        the index names it for this graph. Returns its path relative to the run folder."""
+        if not self.enabled:
+            return None
+        safe_key = re.sub(r"[^A-Za-z0-9_.-]", "_", key)  # a file name here and in tlparse's output
+        relative = os.path.join(kind, safe_key + ".py")
+        with _lock:
+            first = relative not in _emitted_shared.setdefault(id(self.run), set())
+            _emitted_shared[id(self.run)].add(relative)
+        if first:
+            payload = text()
+            torch._logging.trace_structured("artifact", metadata_fn=lambda: {"name": f"kimi_cg_{kind}_{safe_key}", "encoding": "string"},
+                                            payload_fn=lambda: payload)
+            if self.run is not None:
+                os.makedirs(os.path.join(self.run.folder, kind), exist_ok=True)
+                with open(os.path.join(self.run.folder, relative), "w") as f:
+                    f.write(payload)
+        self.entry[f"{kind}_file"] = relative
+        return relative
+
+    def file(self, file_name: str, text: Callable[[], str]) -> None:
+        """Record an unnumbered file (programs, reports) and its trace artifact."""
+        if self.enabled:
+            self._emit(file_name, file_name.rsplit(".", 1)[0], text())
+
+    def update(self, **fields: Any) -> None:
+        self.entry.update({key: value for key, value in fields.items() if value is not None})
+        if self.run is not None:
+            self.run.write_index()
+
+    def failed(self, error: BaseException, reason: str, where: str) -> str | None:
+        """Record why lifting failed; returns the path of the error record (None when not dumping)."""
+        text = f"{reason} at {where}\n\n" + "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        self.file("error.txt", lambda: text)
+        self.update(status="fell back (runs unlifted)", reason=reason, where=where)
+        return os.path.join(self.folder, "error.txt") if self.folder else None
+
+    def _emit(self, file_name: str, name: str, payload: str) -> None:
+        torch._logging.trace_structured(
+            "artifact",
+            metadata_fn=lambda: {"name": f"kimi_cg_{name}", "encoding": "string"},
+            payload_fn=lambda: payload,
+        )
+        if self.folder is not None:
+            with open(os.path.join(self.folder, file_name), "w") as f:
+                f.write(payload)
+            self.entry["files"].append(file_name)
+
+
+def start_graph(debug_dir: str | None, gm: torch.fx.GraphModule, frame: str, grid: Any = None) -> GraphDump:
+    """The dump of the graph dynamo is compiling now (a no-op object without debug_dir or TORCH_TRACE)."""
+    run = None
+    if debug_dir:
+        with _lock:
+            run = _runs.get(debug_dir)
+            if run is None or not os.path.isdir(run.folder):
+                run = _runs[debug_dir] = _Run(debug_dir)
+    dump = GraphDump(run, gm, current_compile_id(), frame)
+    dump.update(grid=grid, graph_break=_graph_break_reason(gm))
+    dump.stage("dynamo_graph", lambda: gm.print_readable(print_output=False))
+    return dump
+
+
+def run_folder(debug_dir: str) -> str | None:
+    """This process's run folder under ``debug_dir`` (None before the first graph was dumped)."""
+    run = _runs.get(debug_dir)
+    return run.folder if run is not None else None
+
+
+def read_index(debug_dir: str, run: str | None = None) -> list[dict]:
+    """The graphs of a dump's latest run folder (or of ``run``), in compile order, each with ``path``:
+    its folder's absolute path."""
+    if run is None:
+        runs = sorted(name for name in os.listdir(debug_dir) if name.startswith("run_"))
+        if not runs:
+            raise FileNotFoundError(f"no kimi_cg run folder in {debug_dir}")
+        run = runs[-1]
+    folder = os.path.join(debug_dir, run)
+    with open(os.path.join(folder, "index.json")) as f:
+        graphs = json.load(f)["graphs"]
+    for graph in graphs:
+        graph["path"] = os.path.join(folder, graph["folder"])
+    return graphs
+
+
+def frame_of(gm: torch.fx.GraphModule) -> str:
+    """``path:line (function)`` of the frame dynamo traced into ``gm``: the outermost entry of its
+    first node's stack trace (dynamo's traces start at the traced frame)."""
+    for node in gm.graph.nodes:
+        trace = node.meta.get("stack_trace")
+        match = re.search(r'File "([^"]+)", line (\d+), in (\S+)', trace or "")
+        if match:
+            return f"{match.group(1)}:{match.group(2)} ({match.group(3)})"
+    return "unknown frame"
+
+
+def current_compile_id() -> str:
+    """Dynamo's id of the compile in progress, as its logs print it: ``frame/compile`` (``0/3``)."""
+    compile_id = torch._guards.CompileContext.current_compile_id()
+    if compile_id is None:
+        return "none"
+    frame, count = getattr(compile_id, "frame_id", None), getattr(compile_id, "frame_compile_id", None)
+    return f"{frame}/{count}" if frame is not None else str(compile_id)
+
+
+def _graph_break_reason(gm) -> str | None:
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is None or not getattr(reason, "graph_break", False):
+        return None
+    text = str(reason.reason)
+    return text.splitlines()[0][:200] if text else "graph break"
+
+
+def _tracing() -> bool:
+    return bool(torch._logging._internal.trace_log.handlers)
+
+
+def _write_atomically(path: str, text: str) -> None:
+    temporary = f"{path}.tmp{os.getpid()}_{threading.get_ident()}"
+    with open(temporary, "w") as f:
+        f.write(text)
+    os.replace(temporary, path)

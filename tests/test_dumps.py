@@ -1,0 +1,153 @@
+"""Debug dumps (kimi_cg/debug/dump.py): a run folder per process, graphs named by dynamo's compile id,
+an index, only passes that changed something, errors recorded, and TORCH_TRACE artifacts for tlparse."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import kimi_cg
+from kimi_cg.debug.dump import read_index
+from kimi_cg.errors import UnsupportedGraphError
+from kimi_cg.models import MoonVitConfig, MoonVitPretrainedModel
+
+GRIDS = ([[4, 6]], [[2, 8]], [[4, 4], [2, 2]], [[6, 2], [2, 4], [2, 2]])
+
+
+def run_tower(options: dict, grids=GRIDS):
+    torch.manual_seed(0)
+    model = MoonVitPretrainedModel(MoonVitConfig.tiny()).eval()
+    compiled = torch.compile(model, backend="kimi_cg", options=options)
+    for grid in grids:
+        grid_tensor = torch.tensor(grid)
+        compiled(torch.randn(int(grid_tensor.prod(-1).sum()), 3, 14, 14), grid_tensor)
+
+
+class ScalarIntoDeviceOp(torch.nn.Module):
+    """A grid value handed to a device op: kimi_cg cannot lift it (the graph runs unlifted)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x, grid):
+        longest = (grid[:, 0] * grid[:, 1]).max().item()
+        return torch.roll(self.lin(x), shifts=longest, dims=0)
+
+
+def test_index_names_every_graph_by_compile_id_with_its_grid_and_files(tmp_path):
+    run_tower({"debug_dir": str(tmp_path)})
+    graphs = read_index(str(tmp_path))
+    assert len(graphs) == kimi_cg.counters["dynamo_graphs"] == 4  # static first, dynamic, 2 and 3 items
+    assert [g["compile_id"] for g in graphs] == ["0/0", "0/1", "0/2", "0/3"]
+    assert [g["grid"] for g in graphs] == [list(grid) for grid in GRIDS]
+    assert all(g["status"] == "lifted" and "moonvit.py:" in g["frame"] for g in graphs), graphs
+    for graph in graphs:
+        files = set(os.listdir(graph["path"]))
+        assert files == set(graph["files"]) and {"00_dynamo_graph.py", "host_program.py", "lift_report.json"} <= files
+        # Each pass that changed the graph left a diff; the device program is kept once per run.
+        assert {"01_separable_resize.diff", "02_segment_attention.diff"} <= files, files
+        assert (Path(graph["path"]).parent / graph["device_programs_file"]).is_file()
+    assert len({g["device_programs_file"] for g in graphs}) == 2  # static first-shape program, then one shared
+    index = (Path(graphs[0]["path"]).parent / "index.md").read_text()
+    assert all(f"[{g['compile_id']}]" in index and g["folder"] in index for g in graphs)
+
+
+def test_a_pass_that_changes_nothing_writes_nothing(tmp_path):
+    class NoAttention(torch.nn.Module):  # no attention, no merger, no resize: most passes have no work
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x, grid):
+            return [self.lin(part) for part in torch.split(x, (grid[:, 0] * grid[:, 1]).tolist())]
+
+    compiled = torch.compile(NoAttention(), backend="kimi_cg", options={"debug_dir": str(tmp_path)})
+    compiled(torch.randn(10, 8), torch.tensor([[2, 3], [2, 2]]))
+    (graph,) = read_index(str(tmp_path))
+    stages = sorted(name for name in graph["files"] if name[:2].isdigit())
+    assert stages == ["00_dynamo_graph.py"], stages
+
+
+def test_each_process_gets_its_own_run_folder(tmp_path):
+    script = textwrap.dedent(f"""
+        import torch, kimi_cg
+        from kimi_cg.models import MoonVitConfig, MoonVitPretrainedModel
+        model = MoonVitPretrainedModel(MoonVitConfig.tiny()).eval()
+        compiled = torch.compile(model, backend="kimi_cg", options={{"debug_dir": {str(tmp_path)!r}}})
+        with torch.no_grad():
+            compiled(torch.randn(24, 3, 14, 14), torch.tensor([[4, 6]]))
+    """)
+    for _ in range(2):
+        subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, timeout=300)
+    runs = sorted(p for p in tmp_path.iterdir() if p.name.startswith("run_"))
+    assert len(runs) == 2  # the second run neither overwrote nor mixed with the first
+    for run in runs:
+        assert [g["compile_id"] for g in read_index(str(tmp_path), run.name)] == ["0/0"]
+
+
+def test_a_lift_failure_is_recorded_with_its_reason_and_named_in_the_warning(tmp_path, caplog):
+    model = ScalarIntoDeviceOp()
+    compiled = torch.compile(model, backend="kimi_cg", options={"debug_dir": str(tmp_path)})
+    with caplog.at_level(logging.WARNING, logger="kimi_cg"):
+        compiled(torch.randn(8, 8), torch.tensor([[2, 3], [1, 2]]))
+    (graph,) = read_index(str(tmp_path))
+    assert graph["status"].startswith("fell back") and "grid-dependent" in graph["reason"]
+    assert re.search(r'test_dumps\.py", line \d+, in forward', graph["where"]), graph["where"]  # file:line
+    error = (Path(graph["path"]) / "error.txt").read_text()
+    assert graph["reason"] in error and "test_dumps.py" in error and "Traceback" in error
+    assert any(str(Path(graph["path"]) / "error.txt") in record.getMessage() for record in caplog.records)
+    assert "fell back" in (Path(graph["path"]).parent / "index.md").read_text()
+
+    torch._dynamo.reset()
+    kimi_cg.reset()
+    strict = torch.compile(model, backend="kimi_cg", options={"debug_dir": str(tmp_path), "strict": True})
+    with pytest.raises(UnsupportedGraphError, match=r"dump: .*error\.txt"):
+        strict(torch.randn(8, 8), torch.tensor([[2, 3], [1, 2]]))
+
+
+def test_torch_trace_holds_kimi_cg_artifacts(tmp_path):
+    """tlparse reads TORCH_TRACE logs: kimi_cg's stages must be artifacts in them (checked by parsing
+    the log, as tlparse does: one JSON header per record, its payload on the following lines)."""
+    trace = tmp_path / "trace"
+    script = textwrap.dedent("""
+        import torch, kimi_cg
+        from kimi_cg.models import MoonVitConfig, MoonVitPretrainedModel
+        model = MoonVitPretrainedModel(MoonVitConfig.tiny()).eval()
+        compiled = torch.compile(model, backend="kimi_cg")
+        with torch.no_grad():
+            for grid in ([[4, 6]], [[2, 8], [2, 2]]):
+                grid = torch.tensor(grid)
+                compiled(torch.randn(int(grid.prod(-1).sum()), 3, 14, 14), grid)
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, timeout=300,
+                   env={**os.environ, "TORCH_TRACE": str(trace)})
+    artifacts = {}
+    for log in trace.iterdir():
+        for line in log.read_text().splitlines():
+            start = line.find("{")
+            if start < 0 or '"artifact"' not in line:
+                continue
+            try:
+                header = json.loads(line[start:])
+            except json.JSONDecodeError:
+                continue
+            name = header.get("artifact", {}).get("name", "")
+            if name.startswith("kimi_cg_"):
+                artifacts.setdefault(name, []).append((header.get("frame_id"), header.get("frame_compile_id")))
+    for stage in ("kimi_cg_dynamo_graph", "kimi_cg_segment_attention", "kimi_cg_host_program", "kimi_cg_lift_report"):
+        assert stage in artifacts, sorted(artifacts)
+    assert any(name.startswith("kimi_cg_device_programs_") for name in artifacts), sorted(artifacts)
+    # Each artifact sits in the compile that made it (tlparse groups by compile id): [0/0] the first
+    # (static) trace of one item, [0/1] the trace of two items.
+    assert artifacts["kimi_cg_dynamo_graph"] == [(0, 0), (0, 1)], artifacts["kimi_cg_dynamo_graph"]
+    assert artifacts["kimi_cg_host_program"] == [(0, 0), (0, 1)]
