@@ -19,6 +19,7 @@ import kimi_cg
 from kimi_cg.debug.dump import read_index
 from kimi_cg.errors import UnsupportedGraphError
 from kimi_cg.models import MoonVitConfig, MoonVitPretrainedModel
+from test_soundness import ScalarIntoDeviceOp  # a grid value into a device op: kimi_cg cannot lift it
 
 GRIDS = ([[4, 6]], [[2, 8]], [[4, 4], [2, 2]], [[6, 2], [2, 4], [2, 2]])
 
@@ -30,18 +31,6 @@ def run_tower(options: dict, grids=GRIDS):
     for grid in grids:
         grid_tensor = torch.tensor(grid)
         compiled(torch.randn(int(grid_tensor.prod(-1).sum()), 3, 14, 14), grid_tensor)
-
-
-class ScalarIntoDeviceOp(torch.nn.Module):
-    """A grid value handed to a device op: kimi_cg cannot lift it (the graph runs unlifted)."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = torch.nn.Linear(8, 8)
-
-    def forward(self, x, grid):
-        longest = (grid[:, 0] * grid[:, 1]).max().item()
-        return torch.roll(self.lin(x), shifts=longest, dims=0)
 
 
 def test_index_names_every_graph_by_compile_id_with_its_grid_and_files(tmp_path):
@@ -82,6 +71,7 @@ def test_each_process_gets_its_own_run_folder(tmp_path):
     script = textwrap.dedent(f"""
         import torch, kimi_cg
         from kimi_cg.models import MoonVitConfig, MoonVitPretrainedModel
+from test_soundness import ScalarIntoDeviceOp  # a grid value into a device op: kimi_cg cannot lift it
         model = MoonVitPretrainedModel(MoonVitConfig.tiny()).eval()
         compiled = torch.compile(model, backend="kimi_cg", options={{"debug_dir": {str(tmp_path)!r}}})
         with torch.no_grad():
@@ -104,7 +94,7 @@ def test_a_lift_failure_is_recorded_with_its_reason_and_named_in_the_warning(tmp
     assert graph["status"].startswith("fell back") and "grid-dependent" in graph["reason"]
     assert re.search(r'test_dumps\.py", line \d+, in forward', graph["where"]), graph["where"]  # file:line
     error = (Path(graph["path"]) / "error.txt").read_text()
-    assert graph["reason"] in error and "test_dumps.py" in error and "Traceback" in error
+    assert graph["reason"] in error and "test_soundness.py" in error and "Traceback" in error
     assert any(str(Path(graph["path"]) / "error.txt") in record.getMessage() for record in caplog.records)
     assert "fell back" in (Path(graph["path"]).parent / "index.md").read_text()
 
@@ -122,6 +112,7 @@ def test_torch_trace_holds_kimi_cg_artifacts(tmp_path):
     script = textwrap.dedent("""
         import torch, kimi_cg
         from kimi_cg.models import MoonVitConfig, MoonVitPretrainedModel
+from test_soundness import ScalarIntoDeviceOp  # a grid value into a device op: kimi_cg cannot lift it
         model = MoonVitPretrainedModel(MoonVitConfig.tiny()).eval()
         compiled = torch.compile(model, backend="kimi_cg")
         with torch.no_grad():
