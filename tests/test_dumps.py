@@ -71,7 +71,6 @@ def test_each_process_gets_its_own_run_folder(tmp_path):
     script = textwrap.dedent(f"""
         import torch, kimi_cg
         from kimi_cg.models import MoonVitConfig, MoonVitPretrainedModel
-from test_soundness import ScalarIntoDeviceOp  # a grid value into a device op: kimi_cg cannot lift it
         model = MoonVitPretrainedModel(MoonVitConfig.tiny()).eval()
         compiled = torch.compile(model, backend="kimi_cg", options={{"debug_dir": {str(tmp_path)!r}}})
         with torch.no_grad():
@@ -92,7 +91,7 @@ def test_a_lift_failure_is_recorded_with_its_reason_and_named_in_the_warning(tmp
         compiled(torch.randn(8, 8), torch.tensor([[2, 3], [1, 2]]))
     (graph,) = read_index(str(tmp_path))
     assert graph["status"].startswith("fell back") and "grid-dependent" in graph["reason"]
-    assert re.search(r'test_dumps\.py", line \d+, in forward', graph["where"]), graph["where"]  # file:line
+    assert re.search(r'test_soundness\.py", line \d+, in forward', graph["where"]), graph["where"]  # file:line
     error = (Path(graph["path"]) / "error.txt").read_text()
     assert graph["reason"] in error and "test_soundness.py" in error and "Traceback" in error
     assert any(str(Path(graph["path"]) / "error.txt") in record.getMessage() for record in caplog.records)
@@ -112,7 +111,6 @@ def test_torch_trace_holds_kimi_cg_artifacts(tmp_path):
     script = textwrap.dedent("""
         import torch, kimi_cg
         from kimi_cg.models import MoonVitConfig, MoonVitPretrainedModel
-from test_soundness import ScalarIntoDeviceOp  # a grid value into a device op: kimi_cg cannot lift it
         model = MoonVitPretrainedModel(MoonVitConfig.tiny()).eval()
         compiled = torch.compile(model, backend="kimi_cg")
         with torch.no_grad():
