@@ -64,7 +64,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, config: KimiCGConfi
     if not activations or not any(item.role is capture.InputRole.GRID for item in inputs):
         logger.info("kimi_cg: graph %d has no activation/grid inputs; running it unchanged", graph_id)
         dump.update(status="runs unchanged (no activation and grid inputs)")
-        return _run_captured(gm)
+        return _run_captured(gm, dump, "no activation and grid inputs")
     try:
         # The passes rewrite a copy: dynamo's graph stays pristine, to run when lifting fails.
         return _lift(capture.working_copy(gm), gm, inputs, activations, example_inputs, config, dump)
@@ -93,7 +93,8 @@ def _lift(work: torch.fx.GraphModule, pristine: torch.fx.GraphModule, inputs, ac
     write_lift_report(dump, lifted, host, device)
     dump.update(status="lifted", device_program=device.key)
     graphs = _bucketed_graphs(config, lifted, inputs, device, example_inputs)
-    return LiftedRunner(lifted, host, device, activations[0], graphs, fallback=pristine.forward, strict=config.strict)
+    return LiftedRunner(lifted, host, device, activations[0], graphs, fallback=pristine.forward, strict=config.strict,
+                        dump=dump)
 
 
 def _unlifted(gm: torch.fx.GraphModule, error: Exception, config: KimiCGConfig, dump: GraphDump):
@@ -117,14 +118,23 @@ def _unlifted(gm: torch.fx.GraphModule, error: Exception, config: KimiCGConfig, 
         return _raise_when_called(error)
     counters["lift_fallbacks"] += 1
     record_fallback(reason, where, detail, "this graph runs unlifted")
-    return _run_captured(gm)
+    return _run_captured(gm, dump, reason)
 
 
-def _run_captured(gm: torch.fx.GraphModule):
+def _run_captured(gm: torch.fx.GraphModule, dump: GraphDump | None = None, reason: str | None = None):
     """The captured graph as the call's program. A runtime assertion dynamo put into it (a check on
     a data-dependent size, failing before the op eager would fail in) is the caller's error:
-    InvalidInputError, still the RuntimeError it was (NOTE [errors by who must act])."""
+    InvalidInputError, still the RuntimeError it was (NOTE [errors by who must act]). When dumping,
+    each call is recorded as an unlifted run (NOTE [call records])."""
     forward = gm.forward
+    if dump is not None and dump.records_calls:
+        def forward(*args, _run=gm.forward):
+            start = time.perf_counter()
+            try:
+                return _run(*args)
+            finally:
+                dump.record_call({"path": "unlifted graph", "reason": reason,
+                                  "total_ms": round((time.perf_counter() - start) * 1e3, 3)})
 
     def run(*args):
         try:

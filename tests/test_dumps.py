@@ -140,3 +140,63 @@ def test_torch_trace_holds_kimi_cg_artifacts(tmp_path):
     # (static) trace of one item, [0/1] the trace of two items.
     assert artifacts["kimi_cg_dynamo_graph"] == [(0, 0), (0, 1)], artifacts["kimi_cg_dynamo_graph"]
     assert artifacts["kimi_cg_host_program"] == [(0, 0), (0, 1)]
+
+
+def test_each_call_is_recorded_with_its_bucket_padding_and_path(tmp_path, caplog, monkeypatch):
+    # Bucketed path on CPU (no capture): 256- and 512-row buckets, at most 2 items per replay.
+    options = {"debug_dir": str(tmp_path), "cuda_graphs": True, "token_budgets": [256, 512], "max_items": 2}
+    grids = ([[4, 6]], [[8, 8], [4, 4]], [[8, 8], [8, 8], [2, 2]], [[32, 32]])  # replay, replay, split, too large
+    with caplog.at_level(logging.DEBUG, logger="kimi_cg.runtime.runner"):
+        run_tower(options, grids)
+    run = Path(read_index(str(tmp_path))[0]["path"]).parent
+    calls = [json.loads(line) for line in (run / "calls.jsonl").read_text().splitlines()]
+    assert [call["path"] for call in calls] == ["replay", "replay", "split", "plain program"], calls
+    assert calls[1]["bucket"] == 256 and calls[1]["rows"] == 80 and calls[1]["padding"] == 176
+    assert calls[2]["parts"] == [256, 256] and calls[2]["rows"] == 132
+    assert calls[3]["reason"] == "no bucket fits" and calls[3]["rows"] == 1024
+    assert [call["compile_id"] for call in calls] == ["0/0", "0/1", "0/2", "0/3"]
+    assert all(call["total_ms"] >= call["host_ms"] > 0 for call in calls)
+    assert sum("kimi_cg call [0/1]: " in record.getMessage() for record in caplog.records) == 1
+
+    from kimi_cg.debug import dump
+    monkeypatch.setattr(dump, "MAX_CALL_RECORDS", 2)  # bounded: a serving process must not fill the disk
+    other = tmp_path / "bounded"
+    kimi_cg.reset()
+    torch._dynamo.reset()
+    run_tower({**options, "debug_dir": str(other)}, grids)
+    (bounded_run,) = [p for p in other.iterdir() if p.name.startswith("run_")]
+    assert len((bounded_run / "calls.jsonl").read_text().splitlines()) == 2
+
+
+def test_report_command_summarises_a_dump(tmp_path):
+    options = {"debug_dir": str(tmp_path), "cuda_graphs": True, "token_budgets": [256, 512], "max_items": 2}
+    run_tower(options, ([[4, 6]], [[8, 8], [4, 4]], [[8, 8], [8, 8], [2, 2]], [[32, 32]]))
+    compiled = torch.compile(ScalarIntoDeviceOp(), backend="kimi_cg", options={"debug_dir": str(tmp_path)})
+    compiled(torch.randn(8, 8), torch.tensor([[2, 3], [1, 2]]))
+    result = subprocess.run([sys.executable, "-m", "kimi_cg.report", str(tmp_path)], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    assert "graphs: 5 (4 lifted, 1 fell back)" in text, text
+    assert "grid-dependent value reaches a device op" in text and "error.txt" in text
+    assert "replay of bucket 256" in text and "split into 2 parts" in text and "plain program (no bucket fits)" in text
+    assert "unlifted graph (grid-dependent value reaches a device op)" in text and "calls: 5 recorded" in text
+    assert "slowest" in text
+    missing = subprocess.run([sys.executable, "-m", "kimi_cg.report", str(tmp_path / "nothing")], capture_output=True,
+                             text=True, timeout=120)
+    assert missing.returncode == 2 and "no kimi_cg dump" in missing.stderr
+
+
+def test_torch_logs_shows_each_calls_decision():
+    script = textwrap.dedent("""
+        import torch, kimi_cg
+        from kimi_cg.models import MoonVitConfig, MoonVitPretrainedModel
+        model = MoonVitPretrainedModel(MoonVitConfig.tiny()).eval()
+        compiled = torch.compile(model, backend="kimi_cg", options={"cuda_graphs": True, "token_budgets": [256]})
+        with torch.no_grad():
+            compiled(torch.randn(24, 3, 14, 14), torch.tensor([[4, 6]]))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "TORCH_LOGS": "+kimi_cg"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "kimi_cg call [0/0]: {'host_ms'" in result.stderr and "'path': 'replay'" in result.stderr, result.stderr[-2000:]

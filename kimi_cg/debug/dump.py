@@ -11,6 +11,10 @@ With ``debug_dir`` (option or ``KIMI_CG_DEBUG_DIR``)::
                                                        (a unified diff against the stage before)
             host_program.py, post_program.py, lift_report.json
             error.txt                                  why lifting failed (with the traceback)
+        calls.jsonl                                    one record per call (NOTE [call records]): the
+                                                       graph's compile id, replay of which bucket with
+                                                       how much padding, split parts, plain program or
+                                                       captured graph and why, host and total ms
         device_programs/<key>.py                       each device program once (graphs share them)
 
 Every stage is also a ``torch._logging.trace_structured`` artifact (``kimi_cg_<stage>``), so a run under
@@ -26,11 +30,13 @@ import json
 import os
 import re
 import threading
+import time
 import traceback
 from typing import Any, Callable
 
 import torch
 
+MAX_CALL_RECORDS = 10_000
 _runs: dict[str, "_Run"] = {}  # debug root -> this process's run folder
 _emitted_shared: dict[int, set] = {}  # id(run) (None: trace only) -> shared files already written
 _lock = threading.Lock()
@@ -42,6 +48,19 @@ class _Run:
         self.folder = os.path.join(root, f"run_{stamp}_pid{os.getpid()}")
         os.makedirs(self.folder, exist_ok=True)
         self.entries: list[dict] = []
+        self.calls_recorded = self.calls_dropped = 0
+        self.calls_lock = threading.Lock()
+
+    def append_call(self, record: dict) -> None:
+        """NOTE [call records]: one JSON line per call in calls.jsonl, at most MAX_CALL_RECORDS per run
+        (a serving process would otherwise fill the disk); later calls are counted, not written."""
+        with self.calls_lock:
+            if self.calls_recorded >= MAX_CALL_RECORDS:
+                self.calls_dropped += 1
+                return
+            self.calls_recorded += 1
+            with open(os.path.join(self.folder, "calls.jsonl"), "a") as f:
+                f.write(json.dumps(record, default=str) + "\n")
 
     def write_index(self) -> None:
         with _lock:
@@ -84,6 +103,14 @@ class GraphDump:
                 run.entries.append(self.entry)
             self.folder = os.path.join(run.folder, folder)
             os.makedirs(self.folder, exist_ok=True)
+
+    @property
+    def records_calls(self) -> bool:
+        return self.run is not None
+
+    def record_call(self, record: dict) -> None:
+        if self.run is not None:
+            self.run.append_call({"time": round(time.time(), 6), "compile_id": self.entry["compile_id"], **record})
 
     @property
     def enabled(self) -> bool:

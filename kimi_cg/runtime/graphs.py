@@ -141,6 +141,10 @@ class BucketedGraphs:
         _GRAPH_SETS.add(self)
 
     # -- planning -------------------------------------------------------------------------------
+    def patch_rows(self, inputs) -> int:
+        """The call's packed patch rows (the size a bucket must hold)."""
+        return self._patches(inputs)
+
     def _patches(self, inputs) -> int:
         return max(inputs[i].shape[0] for i in self.row_positions)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 
 import torch
@@ -32,8 +33,9 @@ class LiftedRunner:
     """The callable kimi_cg returns to dynamo for one graph."""
 
     def __init__(self, lifted: LiftedGraph, host: HostProgram, device: DeviceProgram, activation_index: int | None,
-                 graphs_for=None, fallback=None, strict: bool = False):
+                 graphs_for=None, fallback=None, strict: bool = False, dump=None):
         self.lifted = lifted
+        self.dump = dump  # kimi_cg.debug.dump.GraphDump: per-call records (NOTE [call records])
         self.fallback = fallback  # the captured graph, unchanged (NOTE [errors by who must act])
         self.strict = strict
         self.host = host
@@ -62,14 +64,29 @@ class LiftedRunner:
         return results[ref.program][ref.index]
 
     def __call__(self, *args):
-        if torch.is_grad_enabled() and self.fallback is not None and self._needs_gradients(args):
-            return self._run_for_autograd(args)
-        if self.fallback is None:
-            return self._run_lifted(args)
+        # NOTE [call records]: what each call did (replay of which bucket, split, plain program, the
+        # captured graph and why), at DEBUG level and into the dump's calls.jsonl; timed on the host only.
+        start = time.perf_counter()
+        recording = logger.isEnabledFor(logging.DEBUG) or (self.dump is not None and self.dump.records_calls)
+        record = {"start": start} if recording else None
         try:
-            return self._run_lifted(args)
-        except Exception as error:  # noqa: BLE001 - decided below: the caller's error or a compiler limit
-            return self._after_failure(error, args)
+            if torch.is_grad_enabled() and self.fallback is not None and self._needs_gradients(args):
+                _note(record, path="captured graph", reason="gradients needed")
+                return self._run_for_autograd(args)
+            if self.fallback is None:
+                return self._run_lifted(args, record)
+            try:
+                return self._run_lifted(args, record)
+            except Exception as error:  # noqa: BLE001 - decided below: the caller's error or a compiler limit
+                _note(record, path="captured graph", reason=f"lifted program failed: {type(error).__name__}")
+                return self._after_failure(error, args)
+        finally:
+            if record is not None:
+                del record["start"]
+                record["total_ms"] = round((time.perf_counter() - start) * 1e3, 3)
+                logger.debug("kimi_cg call [%s]: %s", self.dump.entry["compile_id"] if self.dump else "?", record)
+                if self.dump is not None:
+                    self.dump.record_call(record)
 
     @staticmethod
     def _needs_gradients(args) -> bool:
@@ -116,9 +133,11 @@ class LiftedRunner:
         record_fallback(reason, getattr(error, "where", None) or "call time", detail, "this call ran the captured graph")
         return result
 
-    def _run_lifted(self, args):
+    def _run_lifted(self, args, record=None):
         results = {}
         results["host"] = host = self.host(*(self._resolve(ref, args, results) for ref in self.host_refs))
+        if record is not None:
+            record["host_ms"] = round((time.perf_counter() - record["start"]) * 1e3, 3)
         # Most device inputs are the call's own arguments (the weights): a list comprehension over
         # precomputed (program, index) pairs keeps this loop cheap (hundreds of inputs per call).
         device_args = [args[i] if program == "arg" else host[i] if program == "host" else i
@@ -129,7 +148,7 @@ class LiftedRunner:
                 value = device_args[position]
                 if isinstance(value, torch.Tensor) and value.device != target:
                     device_args[position] = value.to(target, non_blocking=True)
-        results["device"] = self._run_device(device_args)
+        results["device"] = self._run_device(device_args, record)
         if self.post_refs or self.lifted.post.outputs:
             results["post"] = self.lifted.post.gm(*(self._resolve(ref, args, results) for ref in self.post_refs))
         outputs = [self._resolve(ref, args, results) for ref in self.output_refs]
@@ -137,7 +156,7 @@ class LiftedRunner:
             _copy_keeping_aliases(outputs, self.copied_outputs)
         return tuple(outputs)
 
-    def _run_device(self, device_args):
+    def _run_device(self, device_args, record=None):
         if self.graphs_for is not None:
             # Looked up per call: dynamo shares one compiled graph between instances of a module
             # class (weights are inputs), while captured graphs belong to one set of weights.
@@ -149,15 +168,21 @@ class LiftedRunner:
                     capacity = graphs.choose(device_args)
                     result = graphs.run(device_args, capacity) if capacity is not None else None
                 if result is not None:
+                    if record is not None:
+                        rows = graphs.patch_rows(device_args)
+                        record.update(path="replay", bucket=capacity, rows=rows, padding=capacity - rows)
                     return result
-            split = self._run_split(graphs, device_args)
+            split = self._run_split(graphs, device_args, record)
             if split is not None:
                 return split
             counters["eager_fallbacks"] += 1
+            _note(record, path="plain program", reason="no bucket fits", rows=graphs.patch_rows(device_args) if record is not None else None)
             logger.debug("kimi_cg: call does not fit a bucket; running the non-graphed device program")
+        else:
+            _note(record, path="plain program", reason="CUDA graphs off")
         return self.device(*device_args)
 
-    def _run_split(self, graphs, device_args):
+    def _run_split(self, graphs, device_args, record=None):
         """NOTE [splitting] in runtime/graphs.py: several replays of whole items, outputs put back in
         call order. Parts out of call order need every output to be row-wise over items, each item's
         rows adding up to every part's; otherwise the call is packed in call order."""
@@ -178,7 +203,7 @@ class LiftedRunner:
             if rows is None or sum(p[j] for p in part_rows) != rows:
                 return None
         counters["split_calls"] += 1
-        results = []
+        results, buckets = [], []
         for piece in plan.pieces:
             capacity = graphs.choose(piece)
             result = graphs.run(piece, capacity) if capacity is not None else None
@@ -186,6 +211,9 @@ class LiftedRunner:
                 counters["eager_fallbacks"] += 1  # one item larger than the largest bucket (or it was dropped)
                 result = tuple(self.device(*piece))
             results.append(result)
+            buckets.append(capacity if result is not None and capacity is not None else "plain")
+        _note(record, path="split", parts=buckets, rows=graphs.patch_rows(device_args) if record is not None else None,
+              in_call_order=plan.in_call_order)
         if plan.in_call_order:
             return tuple(torch.cat(pieces) for pieces in zip(*results))
         outputs = []
@@ -219,6 +247,11 @@ class LiftedRunner:
             if any(r is None for r in rows) or sum(rows) != total:
                 return None
         return result
+
+
+def _note(record: dict | None, **fields) -> None:
+    if record is not None:
+        record.update({key: value for key, value in fields.items() if value is not None})
 
 
 def _storage_of(node: torch.fx.Node):
