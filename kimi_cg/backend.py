@@ -90,7 +90,10 @@ def _lift(work: torch.fx.GraphModule, pristine: torch.fx.GraphModule, inputs, ac
     if not _has_dynamic_patch_count(inputs):
         compiler = "eager"  # dynamo's first, static-shape trace serves one L: not worth an Inductor compile
     device = get_device_program(lifted.device.gm, compiler, host_inputs)
-    write_lift_report(dump, lifted, host, device)
+    try:
+        write_lift_report(dump, lifted, host, device, inputs, device_input_kinds(lifted, inputs))
+    except Exception:  # noqa: BLE001 - a debugging aid must never change what runs
+        logger.warning("kimi_cg: writing the lift report failed (the graph is lifted regardless)", exc_info=True)
     dump.update(status="lifted", device_program=device.key)
     graphs = _bucketed_graphs(config, lifted, inputs, device, example_inputs)
     return LiftedRunner(lifted, host, device, activations[0], graphs, fallback=pristine.forward, strict=config.strict,
@@ -180,6 +183,18 @@ def _has_dynamic_patch_count(inputs) -> bool:
     return isinstance(capture.example_value(activation.node).shape[0], torch.SymInt)
 
 
+def device_input_kinds(lifted, inputs) -> list[str]:
+    """Where each device-program input comes from: "activation", "state", "size" or "host"."""
+    roles = {item.index: item.role for item in inputs}
+    kinds = []
+    for ref in lifted.device.inputs:
+        if ref.program != "arg":
+            kinds.append("host")
+        else:
+            kinds.append({capture.InputRole.ACTIVATION: "activation", capture.InputRole.SIZE: "size"}.get(roles[ref.index], "state"))
+    return kinds
+
+
 def _bucketed_graphs(config: KimiCGConfig, lifted, inputs, device, example_inputs):
     """A function from a call's device inputs to its BucketedGraphs, or None (no CUDA graphs)."""
     on_cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
@@ -192,14 +207,7 @@ def _bucketed_graphs(config: KimiCGConfig, lifted, inputs, device, example_input
         # guards send only that L here), so it gets one graph of exactly that size.
         activation = next(item for item in inputs if item.role is capture.InputRole.ACTIVATION)
         buckets = (int(capture.example_value(activation.node).shape[0]),)
-    roles = {item.index: item.role for item in inputs}
-    kinds = []
-    for ref in lifted.device.inputs:
-        if ref.program != "arg":
-            kinds.append("host")
-        else:
-            kinds.append({capture.InputRole.ACTIVATION: "activation", capture.InputRole.SIZE: "size"}.get(roles[ref.index], "state"))
-    rules = input_rules(device, kinds)
+    rules = input_rules(device, device_input_kinds(lifted, inputs))
     key = (tuple(rules), buckets, config.max_items, config.max_frames, on_cuda, config.poison_graph_pool)
     # The key holds one rule per device input (hundreds: the weights), and a tuple rehashes its
     # items on every lookup: equal keys get one small int per device program, once, here.

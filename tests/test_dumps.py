@@ -200,3 +200,32 @@ def test_torch_logs_shows_each_calls_decision():
                             env={**os.environ, "TORCH_LOGS": "+kimi_cg"})
     assert result.returncode == 0, result.stderr[-2000:]
     assert "kimi_cg call [0/0]: {'host_ms'" in result.stderr and "'path': 'replay'" in result.stderr, result.stderr[-2000:]
+
+
+def test_lift_report_gives_reasons_padding_rules_and_the_cached_item_code(tmp_path):
+    run_tower({"debug_dir": str(tmp_path)})
+    graph = read_index(str(tmp_path))[-1]
+    report = json.loads((Path(graph["path"]) / "lift_report.json").read_text())
+    by_rule = {entry["padding_rule"]: entry for entry in report["device_inputs"]}
+    assert by_rule["cu_seqlens"]["kind"] == "host" and "cu_seqlens" in by_rule["cu_seqlens"]["source"]
+    assert "moonvit.py" in by_rule["cu_seqlens"]["source"] and {"rows", "size", "plan_index"} <= set(by_rule)
+    assert report["weight_inputs"] > 10  # weights are counted, not listed
+    items = [node for node in report["host_nodes"] if node["target"] == "item"]
+    assert items and all(node["depends_on"] == "L['grid_hws']" for node in items)
+    assert any("grid_hws.tolist()" in node["source"] for node in items)
+    # The per-item subgraphs (interpolated position embeddings among them) are printed after the host program.
+    host = (Path(graph["path"]) / "host_program.py").read_text()
+    assert "computed once per item size" in host and "bicubic_resize" in host.split("computed once per item size", 1)[1]
+
+
+def test_a_failing_report_writer_never_changes_what_runs(tmp_path, monkeypatch, caplog):
+    import kimi_cg.backend
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("report writer bug")
+
+    monkeypatch.setattr(kimi_cg.backend, "write_lift_report", broken)
+    with caplog.at_level(logging.WARNING, logger="kimi_cg"):
+        run_tower({"debug_dir": str(tmp_path)}, GRIDS[:2])
+    assert kimi_cg.counters["lift_fallbacks"] == 0 and all(g["status"] == "lifted" for g in read_index(str(tmp_path)))
+    assert any("writing the lift report failed" in record.getMessage() for record in caplog.records)

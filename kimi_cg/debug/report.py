@@ -78,14 +78,88 @@ def clear_reports() -> None:
     _reported.clear()
 
 
-def write_lift_report(dump, lifted, host, device) -> None:
-    """The host, device and post programs and the lift report, into the graph's dump (a GraphDump)."""
+def write_lift_report(dump, lifted, host, device, inputs, kinds) -> None:
+    """Into the graph's dump (a GraphDump): the host program with the per-item subgraphs it caches
+    printed after it, the post program, the device program (once per run), and the lift report: node
+    counts by category, each non-weight device input (where it comes from, its padding rule, shape,
+    source line) and each host node (what it computes, the grid input it depends on, its source line)."""
     if not dump.enabled:
         return
-    for name, program in (("host", host.gm), ("post", lifted.post.gm)):
-        dump.file(f"{name}_program.py", lambda program=program: program.print_readable(print_output=False))
+    from kimi_cg.host_program import ItemValue
+    from kimi_cg.lift import source_location
+    from kimi_cg.runtime.graphs import input_rules
+
+    def host_code() -> str:
+        parts = [host.gm.print_readable(print_output=False)]
+        for name, module in host.gm.named_modules():
+            if isinstance(module, ItemValue):
+                parts.append(f"\n# {name}: computed once per item size and cached (NOTE [per-item metadata cache])\n"
+                             + module.gm.print_readable(print_output=False))
+        return "\n".join(parts)
+
+    dump.file("host_program.py", host_code)
+    dump.file("post_program.py", lambda: lifted.post.gm.print_readable(print_output=False))
     dump.shared_file("device_programs", device.key, lambda: lifted.device.gm.print_readable(print_output=False))
-    report = dict(lifted.report)
-    report["device_program_key"] = device.key
-    report["item_values_cached"] = host.items_cached
-    dump.file("lift_report.json", lambda: json.dumps(report, indent=2, default=str))
+
+    def report_text() -> str:
+        report = {"node_categories": lifted.report["node_categories"], "device_program_key": device.key,
+                  "item_values_cached": host.items_cached}
+        rules = input_rules(device, kinds)
+        placeholders = [n for n in lifted.device.gm.graph.nodes if n.op == "placeholder"]
+        host_outputs = lifted.host.outputs
+        described = []
+        for position, (ref, kind, rule, node) in enumerate(zip(lifted.device.inputs, kinds, rules, placeholders)):
+            if kind == "state":
+                continue
+            value = node.meta.get("example_value", node.meta.get("val"))
+            entry = {"position": position, "placeholder": node.name, "kind": kind, "padding_rule": rule.kind,
+                     "shape": list(value.shape) if isinstance(value, torch.Tensor) else None,
+                     "dtype": str(value.dtype) if isinstance(value, torch.Tensor) else type(value).__name__}
+            if ref.program == "host":
+                made_by = host_outputs[ref.index]
+                entry["made_by_host_node"] = made_by.name
+                entry["source"] = source_location(made_by)
+            described.append({key: str(value) if key == "shape" and value is not None else value
+                              for key, value in entry.items()})
+        report["device_inputs"] = described
+        report["weight_inputs"] = kinds.count("state")
+        grid_of = _grid_ancestors(lifted.categories, inputs)
+        report["host_nodes"] = [{"name": node.name, "target": _target_name(node), "depends_on": grid_of.get(node),
+                                 "source": source_location(node)}
+                                for node in _nodes_named(lifted.categories, lifted.report["host_nodes"])]
+        report["post_nodes"] = lifted.report["post_nodes"]
+        return json.dumps(report, indent=1, default=str)
+
+    dump.file("lift_report.json", report_text)
+
+
+def _nodes_named(nodes, names) -> list:
+    wanted = set(names)
+    return [node for node in nodes if node.name in wanted]
+
+
+def _target_name(node) -> str:
+    target = node.target
+    return getattr(target, "__name__", None) or str(target)
+
+
+def _grid_ancestors(categories, inputs) -> dict:
+    """Each node's grid input (by dynamo's source name, e.g. L['grid_hws']), if it depends on one."""
+    from kimi_cg.capture import InputRole
+
+    names = {}
+    for item in inputs:
+        if item.role is InputRole.GRID:
+            grapharg = item.node.meta.get("grapharg")
+            name = getattr(getattr(grapharg, "source", None), "name", None)  # a method in torch 2.11, a property later
+            names[item.node] = (name() if callable(name) else name) or item.node.name
+    found: dict = {}
+    for node in categories:  # graph order: inputs come first
+        if node in names:
+            found[node] = names[node]
+            continue
+        for arg in node.all_input_nodes:
+            if found.get(arg):
+                found[node] = found[arg]
+                break
+    return found
