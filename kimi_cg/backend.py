@@ -28,6 +28,7 @@ from kimi_cg.runtime.graphs import BucketedGraphs, input_rules
 from kimi_cg.runtime.runner import LiftedRunner
 from kimi_cg.debug import report_graph_break, write_lift_report
 from kimi_cg.debug.dump import GraphDump, frame_of, start_graph
+from kimi_cg.debug.repro import repro_source
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, config: KimiCGConfi
         # The passes rewrite a copy: dynamo's graph stays pristine, to run when lifting fails.
         return _lift(capture.working_copy(gm), gm, inputs, activations, example_inputs, config, dump)
     except Exception as error:  # noqa: BLE001 - NOTE [errors by who must act]: never a crash where eager runs
-        return _unlifted(gm, error, config, dump)
+        return _unlifted(gm, error, config, dump, inputs, example_inputs)
 
 
 def _lift(work: torch.fx.GraphModule, pristine: torch.fx.GraphModule, inputs, activations, example_inputs,
@@ -100,7 +101,8 @@ def _lift(work: torch.fx.GraphModule, pristine: torch.fx.GraphModule, inputs, ac
                         dump=dump)
 
 
-def _unlifted(gm: torch.fx.GraphModule, error: Exception, config: KimiCGConfig, dump: GraphDump):
+def _unlifted(gm: torch.fx.GraphModule, error: Exception, config: KimiCGConfig, dump: GraphDump, inputs=(),
+              example_inputs=()):
     """What runs when a graph cannot be lifted: the captured graph unchanged, or (strict) an error
     raised when the graph is called, so that the caller sees kimi_cg's own error class."""
     if isinstance(error, UnsupportedGraphError):
@@ -109,7 +111,9 @@ def _unlifted(gm: torch.fx.GraphModule, error: Exception, config: KimiCGConfig, 
         reason, detail = f"internal error ({type(error).__name__})", f"{type(error).__name__}: {error}"
         logger.debug("kimi_cg: internal error while lifting", exc_info=True)
     where = getattr(error, "where", None) or _first_user_location(gm)
-    record = dump.failed(error, reason, where)
+    record = dump.failed(error, reason, where, repro=lambda: repro_source(
+        gm, inputs, example_inputs, config, f"Reproduces kimi_cg's lift failure of graph [{dump.entry['compile_id']}]: "
+        f"{reason} at {where}"))
     if record is not None:
         detail += f" (dump: {record})"
     if config.strict:

@@ -96,6 +96,18 @@ def test_a_lift_failure_is_recorded_with_its_reason_and_named_in_the_warning(tmp
     assert graph["reason"] in error and "test_soundness.py" in error and "Traceback" in error
     assert any(str(Path(graph["path"]) / "error.txt") in record.getMessage() for record in caplog.records)
     assert "fell back" in (Path(graph["path"]).parent / "index.md").read_text()
+    assert (Path(graph["path"]) / "repro.py").is_file()
+
+    # repro.py raises the same error, standalone; also for the second, dynamic graph (a size input).
+    compiled(torch.randn(11, 8), torch.tensor([[3, 3], [1, 2]]))
+    graphs = read_index(str(tmp_path))
+    assert [g["compile_id"] for g in graphs] == ["0/0", "0/1"] and all(g["status"].startswith("fell back") for g in graphs)
+    for graph in graphs:
+        repro = subprocess.run([sys.executable, str(Path(graph["path"]) / "repro.py")], capture_output=True, text=True,
+                               timeout=300, cwd=tmp_path)
+        assert repro.returncode != 0 and "UnsupportedGraphError: device op roll takes the grid-dependent value" in repro.stderr, (
+            repro.stdout[-1000:] + repro.stderr[-3000:])
+    assert "dynamic=True" in (Path(graphs[1]["path"]) / "repro.py").read_text()
 
     torch._dynamo.reset()
     kimi_cg.reset()

@@ -11,6 +11,7 @@ With ``debug_dir`` (option or ``KIMI_CG_DEBUG_DIR``)::
                                                        (a unified diff against the stage before)
             host_program.py, post_program.py, lift_report.json
             error.txt                                  why lifting failed (with the traceback)
+            repro.py                                   `python repro.py` raises that error again
         calls.jsonl                                    one record per call (NOTE [call records]): the
                                                        graph's compile id, replay of which bucket with
                                                        how much padding, split parts, plain program or
@@ -164,10 +165,19 @@ class GraphDump:
         if self.run is not None:
             self.run.write_index()
 
-    def failed(self, error: BaseException, reason: str, where: str) -> str | None:
-        """Record why lifting failed; returns the path of the error record (None when not dumping)."""
+    def failed(self, error: BaseException, reason: str, where: str, repro: Callable[[], str | None] | None = None) -> str | None:
+        """Record why lifting failed (error.txt) and, when the graph can be written down, a repro.py
+        that raises the same error; returns the path of the error record (None when not dumping)."""
         text = f"{reason} at {where}\n\n" + "".join(traceback.format_exception(type(error), error, error.__traceback__))
         self.file("error.txt", lambda: text)
+        if repro is not None and self.folder is not None:
+            try:
+                script = repro()
+            except Exception as repro_error:  # noqa: BLE001 - a debugging aid must never change what runs
+                script = None
+                text += f"\n(no repro.py: {type(repro_error).__name__}: {repro_error})"
+            if script is not None:
+                self.file("repro.py", lambda: script)
         self.update(status="fell back (runs unlifted)", reason=reason, where=where)
         return os.path.join(self.folder, "error.txt") if self.folder else None
 

@@ -1,0 +1,135 @@
+"""``repro.py`` for a graph kimi_cg could not lift: a standalone script that raises the same error.
+
+The script holds the dynamo graph's code (as received), a module whose parameters stand for the
+graph's module state (random values of the recorded shapes and dtypes; integer state keeps its
+values), the call's other inputs (activations random of the recorded shapes, grids with their
+recorded values), and kimi_cg's options with ``strict=True``; running it compiles that module with
+``backend="kimi_cg"`` (``dynamic=True`` when the graph was dynamic) and calls it once. Input roles
+follow from types and sources (module state, integer grid, float activation), as kimi_cg assigns
+them, so the lift sees the same graph structure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import torch
+
+from kimi_cg.capture import InputRole
+
+_SMALL = 1 << 16  # integer tensors up to this many elements keep their values
+
+
+def repro_source(gm: torch.fx.GraphModule, inputs, example_inputs, config, title: str) -> str | None:
+    """The script's text, or None when a graph input or global cannot be written down."""
+    code = gm.graph.python_code(root_module="self")
+    header = _imports(code.globals)
+    if header is None:
+        return None
+    placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+    call_args, state, call_inputs = [], [], []
+    dynamic = False
+    for item, node in zip(inputs, placeholders):
+        value = example_inputs[item.index] if item.index < len(example_inputs) else None
+        if item.role is InputRole.SIZE:
+            dynamic = True
+            expression = _size_expression(node, placeholders, inputs)
+            if expression is None:
+                return None
+            call_args.append(expression)
+        elif not isinstance(value, torch.Tensor):
+            return None
+        elif item.role is InputRole.MODULE_STATE:
+            state.append(_tensor_literal(value))
+            call_args.append(f"self.state_{len(state) - 1}")
+        else:
+            call_inputs.append(_tensor_literal(value, keep_values=item.role is InputRole.GRID))
+            call_args.append(f"input_{len(call_inputs) - 1}")
+    options = {**dataclasses.asdict(config), "strict": True, "debug_dir": None}
+    options = {key: list(value) if isinstance(value, tuple) else value for key, value in options.items()}
+    parameters = "\n".join(f"        self.state_{i} = torch.nn.Parameter({literal}, requires_grad=False)"
+                           for i, literal in enumerate(state)) or "        pass"
+    arguments = ", ".join(f"input_{i}" for i in range(len(call_inputs)))
+    graph_code = code.src.replace("def forward(self,", "def graph_forward(self,", 1)
+    return f'''"""{title}
+
+Run: python repro.py   (compiles the graph below with backend="kimi_cg", strict=True, and calls it once)
+"""
+{header}
+import torch
+import kimi_cg  # noqa: F401 - the backend
+
+
+{graph_code.strip()}
+
+
+class Repro(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+{parameters}
+
+    def forward(self, {arguments}):
+        return graph_forward(self, {", ".join(call_args)})
+
+
+def make_inputs():
+    return [{", ".join(call_inputs)}]
+
+
+OPTIONS = {options!r}
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    compiled = torch.compile(Repro(), backend="kimi_cg", options=OPTIONS, dynamic={dynamic})
+    with torch.no_grad():
+        compiled(*make_inputs())
+    print("kimi_cg compiled and ran this graph without an error")
+'''
+
+
+def _imports(globals_: dict) -> str | None:
+    lines = []
+    for name, value in sorted(globals_.items()):
+        if name in ("torch", "__builtins__"):
+            continue
+        if isinstance(value, float) and (math.isinf(value) or math.isnan(value)):
+            lines.append(f"{name} = float({str(value)!r})")
+        elif value is type(None):
+            lines.append(f"{name} = type(None)")
+        elif type(value).__name__ == "module":
+            lines.append(f"import {value.__name__} as {name}")
+        elif getattr(value, "__module__", None) and getattr(value, "__qualname__", None) and "<" not in value.__qualname__:
+            lines.append(f"import {value.__module__} as _module_{name}")
+            lines.append(f"{name} = _module_{name}.{value.__qualname__}")
+        else:
+            return None
+    return "\n".join(lines)
+
+
+def _size_expression(node, placeholders, inputs) -> str | None:
+    """``input_i.size(d)`` for a size placeholder whose dynamo source is ``L['x'].size()[d]``."""
+    grapharg = node.meta.get("grapharg")
+    name = getattr(getattr(grapharg, "source", None), "name", None)
+    name = name() if callable(name) else name
+    match = re.fullmatch(r"L\['(\w+)'\]\.size\(\)\[(\d+)\]", name or "")
+    if match is None:
+        return None
+    local, dim = match.groups()
+    position = 0
+    for item, other in zip(inputs, placeholders):
+        if item.role in (InputRole.ACTIVATION, InputRole.GRID):
+            if other.target in (f"L_{local}_", f"l_{local}_"):
+                return f"input_{position}.size({dim})"
+            position += 1
+    return None
+
+
+def _tensor_literal(value: torch.Tensor, keep_values: bool = False) -> str:
+    shape, dtype = list(value.shape), str(value.dtype)
+    if not (value.is_floating_point() or value.is_complex()):
+        if (keep_values or value.numel() <= _SMALL) and not isinstance(value, torch._subclasses.FakeTensor):
+            return f"torch.tensor({value.cpu().tolist()!r}, dtype={dtype})"
+        return f"torch.zeros({shape}, dtype={dtype})"
+    return f"torch.randn({shape}).to({dtype})"
