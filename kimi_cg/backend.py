@@ -96,6 +96,12 @@ def _lift(work: torch.fx.GraphModule, pristine: torch.fx.GraphModule, inputs, ac
     except Exception:  # noqa: BLE001 - a debugging aid must never change what runs
         logger.warning("kimi_cg: writing the lift report failed (the graph is lifted regardless)", exc_info=True)
     dump.update(status="lifted", device_program=device.key)
+    if dump.enabled and device.compiler == "inductor":  # its Inductor code is written when it compiles
+        if device.inductor_code is not None:
+            dump.shared_file("device_programs", f"{device.key}.inductor", lambda: device.inductor_code,
+                             field="inductor_code_file")
+        else:
+            device.dumps.append(dump)
     graphs = _bucketed_graphs(config, lifted, inputs, device, example_inputs)
     return LiftedRunner(lifted, host, device, activations[0], graphs, fallback=pristine.forward, strict=config.strict,
                         dump=dump)

@@ -84,6 +84,8 @@ class DeviceProgram:
         self.output_rows_by_shape: dict = {}
         self.bucketed_graphs: dict = {}  # runtime.graphs.BucketedGraphs per (configuration, weights)
         self.configurations: dict = {}  # runtime configuration -> its small id (see backend._bucketed_graphs)
+        self.dumps: list = []  # debug dumps (GraphDump) of graphs using this program: get its Inductor code
+        self.inductor_code: str | None = None
 
     def __call__(self, *inputs):
         compiled = self._compiled
@@ -112,7 +114,16 @@ class DeviceProgram:
         if self.compiler == "eager":
             return self.gm
         if self.compiler == "inductor":
-            return compile_with_inductor(self.gm, inputs, self.host_inputs)
+            from torch._inductor.codecache import PyCodeCache
+
+            before = len(PyCodeCache.modules)
+            compiled = compile_with_inductor(self.gm, inputs, self.host_inputs)
+            self.inductor_code = _source_of(PyCodeCache.modules[before:])
+            for dump in self.dumps:
+                dump.shared_file("device_programs", f"{self.key}.inductor", lambda: self.inductor_code or
+                                 "# Inductor's output code was not found (served from a cache without loading a module)",
+                                 field="inductor_code_file")
+            return compiled
         raise ValueError(f"unknown device compiler {self.compiler!r}")
 
     def output_rows(self, inputs) -> list[int | None]:
@@ -178,6 +189,17 @@ def _fake_inputs(gm: torch.fx.GraphModule, inputs, host_inputs: frozenset[int]):
             raise UnsupportedGraphError(f"device program input {node.name}={symbol} is not the size of a tensor input",
                                         "device input size not from a tensor")
     return fake_mode, fakes
+
+
+def _source_of(modules) -> str | None:
+    """The source of the Python modules Inductor loaded while compiling (its output code)."""
+    parts = []
+    for module in modules:
+        path = getattr(module, "__file__", None)
+        if path:
+            with open(path) as f:
+                parts.append(f"# {path}\n{f.read()}")
+    return "\n\n".join(parts) or None
 
 
 def compile_with_inductor(gm: torch.fx.GraphModule, inputs, host_inputs: frozenset[int] = frozenset()):

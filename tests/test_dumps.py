@@ -241,3 +241,12 @@ def test_a_failing_report_writer_never_changes_what_runs(tmp_path, monkeypatch, 
         run_tower({"debug_dir": str(tmp_path)}, GRIDS[:2])
     assert kimi_cg.counters["lift_fallbacks"] == 0 and all(g["status"] == "lifted" for g in read_index(str(tmp_path)))
     assert any("writing the lift report failed" in record.getMessage() for record in caplog.records)
+
+
+def test_the_inductor_code_of_the_device_program_is_in_the_dump(tmp_path):
+    run_tower({"debug_dir": str(tmp_path), "device_compiler": "inductor"}, GRIDS[:2])  # Inductor on the CPU
+    graphs = read_index(str(tmp_path))
+    dynamic = graphs[1]  # the static first trace keeps the eager program; the dynamic one is Inductor's
+    assert dynamic["device_program"].startswith("inductor")
+    code = (Path(dynamic["path"]).parent / dynamic["inductor_code_file"]).read_text()
+    assert "def call(" in code and "async_compile" in code  # Inductor's output module

@@ -134,7 +134,7 @@ class GraphDump:
         self.stage_count += 1
         self._emit(file_name, name, payload)
 
-    def shared_file(self, kind: str, key: str, text: Callable[[], str]) -> str | None:
+    def shared_file(self, kind: str, key: str, text: Callable[[], str], field: str | None = None) -> str | None:
         """Record a file that several graphs share (a device program) once per run, under ``kind/``;
         the index names it for this graph. Returns its path relative to the run folder."""
         if not self.enabled:
@@ -152,7 +152,9 @@ class GraphDump:
                 os.makedirs(os.path.join(self.run.folder, kind), exist_ok=True)
                 with open(os.path.join(self.run.folder, relative), "w") as f:
                     f.write(payload)
-        self.entry[f"{kind}_file"] = relative
+        self.entry[field or f"{kind}_file"] = relative
+        if field is not None and self.run is not None:
+            self.run.write_index()  # written after the graph's entry was (e.g. at the program's first call)
         return relative
 
     def file(self, file_name: str, text: Callable[[], str]) -> None:
