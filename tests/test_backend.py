@@ -61,10 +61,10 @@ def test_fuzzed_batches_match_eager_with_one_device_program(build, dims, impl, m
     # The warm-up traces one item twice (static first trace, then dynamic in the patch count): after
     # it no device program compiles, whatever the item count.
     report = kimi_cg.testing.assert_matches_eager(model, compiled, pixel_inputs("cpu", torch.float32), strategy,
-                                                  max_examples=36, warm_up=[item, taller], no_compiles_after_warm_up=True,
+                                                  max_examples=30, warm_up=[item, taller], no_compiles_after_warm_up=True,
                                                   no_graph_breaks=True, no_fallbacks=True)
     # The fuzzing must fuzz: many distinct grids and item counts.
-    assert report.examples >= 38 and report.distinct_grids >= report.examples // 5 and len(report.item_counts) >= 4
+    assert report.examples >= 32 and report.distinct_grids >= report.examples // 5 and len(report.item_counts) >= 4
     # One graph per distinct N, plus two: dynamo's first trace has static shapes and the lazily built
     # RoPE table forces one more trace. NOTE [dynamo graph count] in docs/design.md.
     assert report.counters["dynamo_graphs"] <= len(set(report.item_counts) | {1}) + 2

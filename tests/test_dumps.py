@@ -33,22 +33,78 @@ def run_tower(options: dict, grids=GRIDS):
         compiled(torch.randn(int(grid_tensor.prod(-1).sum()), 3, 14, 14), grid_tensor)
 
 
-def test_index_names_every_graph_by_compile_id_with_its_grid_and_files(tmp_path):
-    run_tower({"debug_dir": str(tmp_path)})
-    graphs = read_index(str(tmp_path))
-    assert len(graphs) == kimi_cg.counters["dynamo_graphs"] == 4  # static first, dynamic, 2 and 3 items
-    assert [g["compile_id"] for g in graphs] == ["0/0", "0/1", "0/2", "0/3"]
-    assert [g["grid"] for g in graphs] == [list(grid) for grid in GRIDS]
-    assert all(g["status"] == "lifted" and "moonvit.py:" in g["frame"] for g in graphs), graphs
-    for graph in graphs:
+# One served dump shared by the tests that only read it: the bucketed path on CPU (no capture), 256- and
+# 512-row buckets, at most 2 items per replay: a replay, a replay with padding, a split, a call over the
+# largest bucket; then a graph kimi_cg cannot lift (a second frame).
+SERVED_GRIDS = ([[4, 6]], [[8, 8], [4, 4]], [[8, 8], [8, 8], [2, 2]], [[32, 32]])
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("served")
+    torch._dynamo.reset()
+    kimi_cg.reset()
+    with torch.no_grad():
+        run_tower({"debug_dir": str(folder), "cuda_graphs": True, "token_budgets": [256, 512], "max_items": 2},
+                  SERVED_GRIDS)
+        compiled = torch.compile(ScalarIntoDeviceOp(), backend="kimi_cg", options={"debug_dir": str(folder)})
+        compiled(torch.randn(8, 8), torch.tensor([[2, 3], [1, 2]]))
+    torch._dynamo.reset()
+    kimi_cg.reset()
+    return folder
+
+
+def test_index_names_every_graph_by_compile_id_with_its_grid_and_files(served):
+    graphs = read_index(str(served))
+    lifted, unlifted = graphs[:4], graphs[4:]
+    assert [g["compile_id"] for g in graphs] == ["0/0", "0/1", "0/2", "0/3", "1/0"]  # static first, 2, 3 items, dynamic 1
+    assert [g["grid"] for g in lifted] == [list(grid) for grid in SERVED_GRIDS]
+    assert all(g["status"] == "lifted" and "moonvit.py:" in g["frame"] for g in lifted), lifted
+    assert unlifted[0]["status"].startswith("fell back") and "test_soundness.py:" in unlifted[0]["frame"]
+    for graph in lifted:
         files = set(os.listdir(graph["path"]))
         assert files == set(graph["files"]) and {"00_dynamo_graph.py", "host_program.py", "lift_report.json"} <= files
         # Each pass that changed the graph left a diff; the device program is kept once per run.
         assert {"01_separable_resize.diff", "02_segment_attention.diff"} <= files, files
         assert (Path(graph["path"]).parent / graph["device_programs_file"]).is_file()
-    assert len({g["device_programs_file"] for g in graphs}) == 2  # static first-shape program, then one shared
+    assert len({g["device_programs_file"] for g in lifted}) == 2  # static first-shape program, then one shared
     index = (Path(graphs[0]["path"]).parent / "index.md").read_text()
     assert all(f"[{g['compile_id']}]" in index and g["folder"] in index for g in graphs)
+
+
+def test_each_call_is_recorded_with_its_bucket_padding_and_path(served, tmp_path, monkeypatch):
+    run = Path(read_index(str(served))[0]["path"]).parent
+    calls = [json.loads(line) for line in (run / "calls.jsonl").read_text().splitlines()]
+    assert [call["path"] for call in calls] == ["replay", "replay", "split", "plain program", "unlifted graph"], calls
+    assert calls[1]["bucket"] == 256 and calls[1]["rows"] == 80 and calls[1]["padding"] == 176
+    assert calls[2]["parts"] == [256, 256] and calls[2]["rows"] == 132
+    assert calls[3]["reason"] == "no bucket fits" and calls[3]["rows"] == 1024
+    assert calls[4]["reason"] == "grid-dependent value reaches a device op"
+    assert [call["compile_id"] for call in calls] == ["0/0", "0/1", "0/2", "0/3", "1/0"]
+    assert all(call["total_ms"] >= call.get("host_ms", 0) > 0 or call["path"] == "unlifted graph" for call in calls)
+
+    from kimi_cg.debug import dump
+    monkeypatch.setattr(dump, "MAX_CALL_RECORDS", 2)  # bounded: a serving process must not fill the disk
+    compiled = torch.compile(ScalarIntoDeviceOp(), backend="kimi_cg", options={"debug_dir": str(tmp_path)})
+    for _ in range(3):
+        compiled(torch.randn(8, 8), torch.tensor([[2, 3], [1, 2]]))
+    (bounded_run,) = [p for p in tmp_path.iterdir() if p.name.startswith("run_")]
+    assert len((bounded_run / "calls.jsonl").read_text().splitlines()) == 2
+
+
+def test_report_command_summarises_a_dump(served):
+    result = subprocess.run([sys.executable, "-m", "kimi_cg.report", str(served)], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    assert "graphs: 5 (4 lifted, 1 fell back)" in text, text
+    assert "grid-dependent value reaches a device op" in text and "error.txt" in text
+    assert "replay of bucket 256" in text and "split into 2 parts" in text and "plain program (no bucket fits)" in text
+    assert "unlifted graph (grid-dependent value reaches a device op)" in text and "calls: 5 recorded" in text
+    assert "slowest" in text
+    missing = subprocess.run([sys.executable, "-m", "kimi_cg.report", str(served / "nothing")], capture_output=True,
+                             text=True, timeout=120)
+    assert missing.returncode == 2 and "no kimi_cg dump" in missing.stderr
 
 
 def test_a_pass_that_changes_nothing_writes_nothing(tmp_path):
@@ -154,51 +210,6 @@ def test_torch_trace_holds_kimi_cg_artifacts(tmp_path):
     assert artifacts["kimi_cg_host_program"] == [(0, 0), (0, 1)]
 
 
-def test_each_call_is_recorded_with_its_bucket_padding_and_path(tmp_path, caplog, monkeypatch):
-    # Bucketed path on CPU (no capture): 256- and 512-row buckets, at most 2 items per replay.
-    options = {"debug_dir": str(tmp_path), "cuda_graphs": True, "token_budgets": [256, 512], "max_items": 2}
-    grids = ([[4, 6]], [[8, 8], [4, 4]], [[8, 8], [8, 8], [2, 2]], [[32, 32]])  # replay, replay, split, too large
-    with caplog.at_level(logging.DEBUG, logger="kimi_cg.runtime.runner"):
-        run_tower(options, grids)
-    run = Path(read_index(str(tmp_path))[0]["path"]).parent
-    calls = [json.loads(line) for line in (run / "calls.jsonl").read_text().splitlines()]
-    assert [call["path"] for call in calls] == ["replay", "replay", "split", "plain program"], calls
-    assert calls[1]["bucket"] == 256 and calls[1]["rows"] == 80 and calls[1]["padding"] == 176
-    assert calls[2]["parts"] == [256, 256] and calls[2]["rows"] == 132
-    assert calls[3]["reason"] == "no bucket fits" and calls[3]["rows"] == 1024
-    assert [call["compile_id"] for call in calls] == ["0/0", "0/1", "0/2", "0/3"]
-    assert all(call["total_ms"] >= call["host_ms"] > 0 for call in calls)
-    assert sum("kimi_cg call [0/1]: " in record.getMessage() for record in caplog.records) == 1
-
-    from kimi_cg.debug import dump
-    monkeypatch.setattr(dump, "MAX_CALL_RECORDS", 2)  # bounded: a serving process must not fill the disk
-    other = tmp_path / "bounded"
-    kimi_cg.reset()
-    torch._dynamo.reset()
-    run_tower({**options, "debug_dir": str(other)}, grids)
-    (bounded_run,) = [p for p in other.iterdir() if p.name.startswith("run_")]
-    assert len((bounded_run / "calls.jsonl").read_text().splitlines()) == 2
-
-
-def test_report_command_summarises_a_dump(tmp_path):
-    options = {"debug_dir": str(tmp_path), "cuda_graphs": True, "token_budgets": [256, 512], "max_items": 2}
-    run_tower(options, ([[4, 6]], [[8, 8], [4, 4]], [[8, 8], [8, 8], [2, 2]], [[32, 32]]))
-    compiled = torch.compile(ScalarIntoDeviceOp(), backend="kimi_cg", options={"debug_dir": str(tmp_path)})
-    compiled(torch.randn(8, 8), torch.tensor([[2, 3], [1, 2]]))
-    result = subprocess.run([sys.executable, "-m", "kimi_cg.report", str(tmp_path)], capture_output=True, text=True,
-                            timeout=120)
-    assert result.returncode == 0, result.stderr
-    text = result.stdout
-    assert "graphs: 5 (4 lifted, 1 fell back)" in text, text
-    assert "grid-dependent value reaches a device op" in text and "error.txt" in text
-    assert "replay of bucket 256" in text and "split into 2 parts" in text and "plain program (no bucket fits)" in text
-    assert "unlifted graph (grid-dependent value reaches a device op)" in text and "calls: 5 recorded" in text
-    assert "slowest" in text
-    missing = subprocess.run([sys.executable, "-m", "kimi_cg.report", str(tmp_path / "nothing")], capture_output=True,
-                             text=True, timeout=120)
-    assert missing.returncode == 2 and "no kimi_cg dump" in missing.stderr
-
-
 def test_torch_logs_shows_each_calls_decision():
     script = textwrap.dedent("""
         import torch, kimi_cg
@@ -214,9 +225,8 @@ def test_torch_logs_shows_each_calls_decision():
     assert "kimi_cg call [0/0]: {'host_ms'" in result.stderr and "'path': 'replay'" in result.stderr, result.stderr[-2000:]
 
 
-def test_lift_report_gives_reasons_padding_rules_and_the_cached_item_code(tmp_path):
-    run_tower({"debug_dir": str(tmp_path)})
-    graph = read_index(str(tmp_path))[-1]
+def test_lift_report_gives_reasons_padding_rules_and_the_cached_item_code(served):
+    graph = read_index(str(served))[1]  # the dynamic two-item graph
     report = json.loads((Path(graph["path"]) / "lift_report.json").read_text())
     by_rule = {entry["padding_rule"]: entry for entry in report["device_inputs"]}
     assert by_rule["cu_seqlens"]["kind"] == "host" and "cu_seqlens" in by_rule["cu_seqlens"]["source"]

@@ -186,14 +186,17 @@ def test_bf16_rule_passes_kimi_cg_and_fails_a_perturbed_item():
 
 
 def test_counter_expectations_catch_a_graph_break():
-    class Broken(MoonVitPretrainedModel):
-        def forward(self, pixel_values, grid_hws):
-            features = super().forward(pixel_values, grid_hws)
-            torch._dynamo.graph_break()
-            return [f * 1.0 for f in features]
+    class Broken(torch.nn.Module):  # per-item features with a graph break after them
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3 * 14 * 14, 8)
 
-    torch.manual_seed(0)
-    model = Broken(MoonVitConfig.tiny()).eval()
+        def forward(self, pixel_values, grid_hws):
+            parts = torch.split(self.lin(pixel_values.flatten(1)), (grid_hws[:, 0] * grid_hws[:, 1]).tolist())
+            torch._dynamo.graph_break()
+            return [part * 1.0 for part in parts]
+
+    model = Broken().eval()
     with pytest.raises(MismatchError, match="graph break"):
         assert_matches_eager(model, None, pixel_inputs("cpu", torch.float32), SMALL_IMAGES, max_examples=3,
                              no_graph_breaks=True)
@@ -239,6 +242,6 @@ def test_example_script_fuzzes_a_transformers_tower_from_the_command_line():
     pytest.importorskip("transformers.models.qwen2_vl.modeling_qwen2_vl")
     script = Path(__file__).resolve().parents[1] / "scripts" / "fuzz_transformers_tower.py"
     result = subprocess.run([sys.executable, "-m", "kimi_cg.testing", f"{script}:qwen2_vl",
-                             "--examples", "4"], capture_output=True, text=True, timeout=600)
+                             "--examples", "2"], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "4 examples passed" in result.stdout and "output['last_hidden_state']" in result.stdout
+    assert "2 examples passed" in result.stdout and "output['last_hidden_state']" in result.stdout
