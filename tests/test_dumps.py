@@ -70,6 +70,9 @@ def test_index_names_every_graph_by_compile_id_with_its_grid_and_files(served):
     assert len({g["device_programs_file"] for g in lifted}) == 2  # static first-shape program, then one shared
     index = (Path(graphs[0]["path"]).parent / "index.md").read_text()
     assert all(f"[{g['compile_id']}]" in index and g["folder"] in index for g in graphs)
+    # The graphs' buckets (CPU: padded, not captured) are in the index once a call replayed them.
+    assert lifted[1]["buckets"] == [256, 512] and lifted[1]["captured_buckets"] == 0 and "2 up to 512 (0)" in index
+    assert lifted[0]["buckets"] == [24]  # dynamo's static first trace: one bucket of exactly its size
 
 
 def test_each_call_is_recorded_with_its_bucket_padding_and_path(served, tmp_path, monkeypatch):

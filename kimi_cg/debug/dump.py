@@ -69,16 +69,20 @@ class _Run:
         _write_atomically(os.path.join(self.folder, "index.json"), json.dumps({"graphs": entries}, indent=2, default=str))
         lines = ["# kimi_cg debug dump", "", f"Process {os.getpid()}, torch {torch.__version__}. One row per dynamo graph "
                  "kimi_cg received, in compile order.", "",
-                 "| compile id | frame | grid at trace | status | device program | folder |",
-                 "|---|---|---|---|---|---|"]
+                 "| compile id | frame | grid at trace | status | device program | buckets (captured), graph MB | folder |",
+                 "|---|---|---|---|---|---|---|"]
         for entry in entries:
             status = entry["status"]
             if entry.get("reason"):
                 status += f": {entry['reason']} at {entry.get('where', '?')}"
             if entry.get("graph_break"):
                 status += f" (ends at a graph break: {entry['graph_break']})"
+            graphs = "-"
+            if entry.get("buckets"):
+                graphs = (f"{len(entry['buckets'])} up to {max(entry['buckets'])} ({entry.get('captured_buckets', 0)}), "
+                          f"{entry.get('graph_memory_mb', 0)} MB")
             lines.append(f"| [{entry['compile_id']}] | {entry['frame']} | {entry.get('grid', '-')} | {status} | "
-                         f"{entry.get('device_program', '-')} | [{entry['folder']}]({entry['folder']}/) |")
+                         f"{entry.get('device_program', '-')} | {graphs} | [{entry['folder']}]({entry['folder']}/) |")
         lines += ["", "Per graph folder: 00_dynamo_graph.py (as received), NN_<pass>.diff (what each pass that changed "
                   "the graph changed), host and post programs, lift_report.json, error.txt when lifting failed. "
                   "device_programs/: each device program once."]

@@ -171,6 +171,7 @@ class LiftedRunner:
                     if record is not None:
                         rows = graphs.patch_rows(device_args)
                         record.update(path="replay", bucket=capacity, rows=rows, padding=capacity - rows)
+                        self._report_graphs(graphs)
                     return result
             split = self._run_split(graphs, device_args, record)
             if split is not None:
@@ -181,6 +182,16 @@ class LiftedRunner:
         else:
             _note(record, path="plain program", reason="CUDA graphs off")
         return self.device(*device_args)
+
+    def _report_graphs(self, graphs) -> None:
+        """The dump's index entry learns this graph's buckets, how many were captured, and the graph
+        memory, once per graph set (captures happen at the first call that fits a bucket)."""
+        if self.dump is None or not self.dump.records_calls or self.dump.entry.get("graph_set") == id(graphs):
+            return
+        device, graph_bytes, static_bytes = graphs.memory()
+        self.dump.update(graph_set=id(graphs), buckets=list(graphs.capacities),
+                         captured_buckets=sum(1 for bucket in graphs.buckets.values() if bucket.graph is not None),
+                         graph_memory_mb=round((graph_bytes + static_bytes) / 2**20, 1), graph_device=device)
 
     def _run_split(self, graphs, device_args, record=None):
         """NOTE [splitting] in runtime/graphs.py: several replays of whole items, outputs put back in
