@@ -28,6 +28,10 @@ foreign=$!
 (CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=4 python3 -P -m pytest -q -p no:cacheprovider --durations=5 \
   tests/test_reliability.py tests/test_split_video.py tests/test_options.py > "$OUT/reliability_tests.txt" 2>&1) &
 reliability=$!
+# kimi_cg.testing and the debug dumps under this machine's torch, in a fourth CPU process.
+(CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=4 python3 -P -m pytest -q -p no:cacheprovider --durations=5 \
+  tests/test_testing.py tests/test_dumps.py > "$OUT/testing_dump_tests.txt" 2>&1) &
+testing=$!
 python3 -P -m pytest -v -p no:cacheprovider --durations=10 tests/test_gpu.py tests/test_kernels.py tests/test_varlen_attention.py \
   > "$OUT/gpu_tests.txt" 2>&1 || status=1
 tail -15 "$OUT/gpu_tests.txt"
@@ -37,6 +41,8 @@ wait $foreign || status=1
 tail -8 "$OUT/foreign_tests.txt"
 wait $reliability || status=1
 tail -8 "$OUT/reliability_tests.txt"
+wait $testing || status=1
+tail -8 "$OUT/testing_dump_tests.txt"
 python3 - "$KIMI_CG_GPU_SUMMARY" <<'PY'
 import json, sys
 try:
