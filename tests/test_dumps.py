@@ -237,6 +237,9 @@ def test_lift_report_gives_reasons_padding_rules_and_the_cached_item_code(served
     assert by_rule["cu_seqlens"]["kind"] == "host" and "cu_seqlens" in by_rule["cu_seqlens"]["source"]
     assert "moonvit.py" in by_rule["cu_seqlens"]["source"] and {"rows", "size", "plan_index"} <= set(by_rule)
     assert report["weight_inputs"] > 10  # weights are counted, not listed
+    # Values passes created (the real RoPE tables among them) name the user's line they came from.
+    host_made = [entry for entry in report["device_inputs"] if entry["kind"] == "host"]
+    assert host_made and all(entry["source"].startswith("File ") for entry in host_made), host_made
     items = [node for node in report["host_nodes"] if node["target"] == "item"]
     assert items and all(node["depends_on"] == "L['grid_hws']" for node in items)
     assert any("grid_hws.tolist()" in node["source"] for node in items)

@@ -26,8 +26,10 @@ class GraphPass:
 
     def __call__(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         before = gm.code if self.dump is not None and self.dump.enabled else None
+        existing = set(gm.graph.nodes)
         start = time.perf_counter()
         self.report = self.run(gm) or {}
+        _inherit_stack_traces(gm.graph, existing)
         gm.graph.lint()
         gm.recompile()
         elapsed_ms = (time.perf_counter() - start) * 1e3
@@ -35,6 +37,20 @@ class GraphPass:
         if before is not None and gm.code != before:  # a pass that changed nothing writes nothing
             self.dump.stage(self.name, lambda: gm.print_readable(print_output=False))
         return gm
+
+
+def _inherit_stack_traces(graph: torch.fx.Graph, existing: set) -> None:
+    """Nodes a pass created without a stack trace take the user's line of what they replace: the
+    nearest input that has one, else a user that has one (errors, dumps and reports name a source
+    line instead of "node view_as_real_54")."""
+    for node in graph.nodes:
+        if node in existing or node.op in ("placeholder", "output") or node.meta.get("stack_trace"):
+            continue
+        origin = next((arg for arg in node.all_input_nodes if arg.op != "placeholder" and arg.meta.get("stack_trace")), None)
+        if origin is None:
+            origin = next((user for user in node.users if user.meta.get("stack_trace")), None)
+        if origin is not None:
+            node.meta["stack_trace"] = origin.meta["stack_trace"]
 
 
 def stable_topological_sort(graph: torch.fx.Graph) -> None:
