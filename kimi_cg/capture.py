@@ -29,6 +29,12 @@ class InputRole(enum.Enum):
 _MODULE_STATE_NAME = re.compile(r"^(L_self_|L_self$)|_modules_|_parameters_|_buffers_")
 
 
+def source_name(node: torch.fx.Node) -> str | None:
+    """Dynamo's name of where a graph input came from (``L['grid_hws']``, ``L['x'].size()[0]``), or None."""
+    name = getattr(getattr(node.meta.get("grapharg"), "source", None), "name", None)
+    return name() if callable(name) else name  # a method in torch 2.11, a property later
+
+
 def _is_module_state_source(source) -> bool | None:
     """From dynamo's source of a graph input: True for state that is the same every call (reached
     through an nn.Module, a global or a closure cell), False for the call's own arguments (a local

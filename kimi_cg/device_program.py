@@ -123,6 +123,7 @@ class DeviceProgram:
                 dump.shared_file("device_programs", f"{self.key}.inductor", lambda: self.inductor_code or
                                  "# Inductor's output code was not found (served from a cache without loading a module)",
                                  field="inductor_code_file")
+            self.dumps.clear()  # written: the program no longer needs to reach the graphs' dumps
             return compiled
         raise ValueError(f"unknown device compiler {self.compiler!r}")
 

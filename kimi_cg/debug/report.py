@@ -145,14 +145,12 @@ def _target_name(node) -> str:
 
 def _grid_ancestors(categories, inputs) -> dict:
     """Each node's grid input (by dynamo's source name, e.g. L['grid_hws']), if it depends on one."""
-    from kimi_cg.capture import InputRole
+    from kimi_cg.capture import InputRole, source_name
 
     names = {}
     for item in inputs:
         if item.role is InputRole.GRID:
-            grapharg = item.node.meta.get("grapharg")
-            name = getattr(getattr(grapharg, "source", None), "name", None)  # a method in torch 2.11, a property later
-            names[item.node] = (name() if callable(name) else name) or item.node.name
+            names[item.node] = source_name(item.node) or item.node.name
     found: dict = {}
     for node in categories:  # graph order: inputs come first
         if node in names:

@@ -17,7 +17,7 @@ import re
 
 import torch
 
-from kimi_cg.capture import InputRole
+from kimi_cg.capture import InputRole, source_name
 
 _SMALL = 1 << 16  # integer tensors up to this many elements keep their values
 
@@ -110,10 +110,7 @@ def _imports(globals_: dict) -> str | None:
 
 def _size_expression(node, placeholders, inputs) -> str | None:
     """``input_i.size(d)`` for a size placeholder whose dynamo source is ``L['x'].size()[d]``."""
-    grapharg = node.meta.get("grapharg")
-    name = getattr(getattr(grapharg, "source", None), "name", None)
-    name = name() if callable(name) else name
-    match = re.fullmatch(r"L\['(\w+)'\]\.size\(\)\[(\d+)\]", name or "")
+    match = re.fullmatch(r"L\['(\w+)'\]\.size\(\)\[(\d+)\]", source_name(node) or "")
     if match is None:
         return None
     local, dim = match.groups()
