@@ -1,0 +1,116 @@
+"""One rank of the data-parallel tests (tests/test_data_parallel.py starts one process per rank).
+
+    python tests/data_parallel_worker.py RANK WORLD_SIZE INIT_FILE OUT_DIR
+
+Each rank builds the same tiny towers (seeded weights), compiles them with kimi_cg, wraps them with
+``kimi_cg.data_parallel`` over gloo and runs the same requests: random mixes, fewer items than ranks,
+one large item over the largest bucket, video chunks, a packed-output tower, an invalid item that only
+one rank gets, and ranks handed different requests. Each output is compared with eager on the whole
+request in this process (fp32, 1e-5 relative per item); the outputs are saved for the parent test to
+check that every rank returned the same bytes. Any failure exits non-zero with the traceback.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import sys
+
+import torch
+import torch.distributed as dist
+
+import kimi_cg
+from kimi_cg.distributed import DataParallelError
+from kimi_cg.models import MoonViT3dConfig, MoonViT3dPretrainedModel, MoonVitConfig, MoonVitPretrainedModel
+
+# The bucketed, padded path on CPU (no capture); an item of 16x16 patches is over the largest bucket.
+OPTIONS = {"cuda_graphs": True, "token_budgets": [64, 128], "buckets_per_doubling": 1}
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    if got.shape != want.shape or got.dtype != want.dtype:
+        raise AssertionError(f"shape/dtype {tuple(got.shape)} {got.dtype} != eager {tuple(want.shape)} {want.dtype}")
+    if not torch.isfinite(got).all():
+        raise AssertionError("non-finite values in the data-parallel output")
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
+def pixels_for(grid: list[list[int]], seed: int, row_shape=(3, 14, 14)) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    rows = sum(math.prod(row) for row in grid)
+    return torch.randn(rows, *row_shape, generator=generator), torch.tensor(grid)
+
+
+def check(name: str, encode, model, grid, seed, results: dict, row_shape=(3, 14, 14)) -> None:
+    pixels, grid_tensor = pixels_for(grid, seed, row_shape)
+    got = encode(pixels, grid_tensor)
+    want = model(pixels, grid_tensor)
+    if isinstance(want, torch.Tensor):
+        errors = [relative_error(got, want)]
+    else:
+        if type(got) is not type(want) or len(got) != len(want):
+            raise AssertionError(f"{name}: structure {type(got).__name__}[{len(got)}] != eager {type(want).__name__}[{len(want)}]")
+        errors = [relative_error(g, w) for g, w in zip(got, want)]
+    if max(errors) > 1e-5:
+        raise AssertionError(f"{name} {grid}: relative error {max(errors):.3g} > 1e-5 (per item {errors})")
+    results[name] = {"grid": grid, "outputs": [got] if isinstance(got, torch.Tensor) else list(got),
+                     "plan": encode.last_plan.shares}
+
+
+def expect_failure(name: str, encode, pixels, grid_tensor, results: dict, fragment: str) -> None:
+    try:
+        encode(pixels, grid_tensor)
+    except DataParallelError as error:
+        if fragment not in str(error):
+            raise AssertionError(f"{name}: DataParallelError without {fragment!r}: {error}") from error
+        results[name] = {"error": str(error), "errors": error.errors}
+        return
+    raise AssertionError(f"{name}: no DataParallelError")
+
+
+def main(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    torch.set_grad_enabled(False)
+    results: dict = {}
+
+    torch.manual_seed(0)
+    model = MoonVitPretrainedModel(MoonVitConfig.tiny()).eval()
+    encode = kimi_cg.data_parallel(torch.compile(model, backend="kimi_cg", options=OPTIONS))
+    rng = random.Random(1234)  # the same requests on every rank
+    for case in range(4):
+        grid = [[2 * rng.randint(1, 6), 2 * rng.randint(1, 6)] for _ in range(rng.randint(1, 5))]
+        check(f"random_{case}", encode, model, grid, case, results)
+    check("fewer_items_than_ranks", encode, model, [[4, 6]], 10, results)
+    check("one_large_item", encode, model, [[16, 16], [2, 2], [2, 4]], 11, results)
+    # Lifted, not falling back: only the item over the largest bucket ran the non-graphed program.
+    assert kimi_cg.counters["host_programs_built"] > 0, dict(kimi_cg.counters)
+    assert kimi_cg.counters["lift_fallbacks"] == kimi_cg.counters["call_fallbacks"] == 0, dict(kimi_cg.fallbacks)
+    assert kimi_cg.counters["eager_fallbacks"] == (1 if 0 in encode.last_plan.shares[rank] else 0), dict(kimi_cg.counters)
+
+    # An item only one rank gets is invalid (odd rows: the 2x2 merge cannot split it); every rank raises.
+    pixels, grid_tensor = pixels_for([[4, 4], [2, 2], [3, 4]], 12)
+    expect_failure("rank_local_invalid_item", encode, pixels, grid_tensor, results, "failed on rank(s)")
+    # Ranks handed different requests must not exchange (or return) anything.
+    pixels, grid_tensor = pixels_for([[4, 4], [2, 2 + 2 * rank]], 13)
+    expect_failure("different_requests", encode, pixels, grid_tensor, results, "different requests")
+    check("after_failures", encode, model, [[6, 4], [2, 2], [4, 4]], 14, results)
+
+    torch.manual_seed(0)
+    model3d = MoonViT3dPretrainedModel(MoonViT3dConfig.tiny()).eval()
+    encode3d = kimi_cg.data_parallel(torch.compile(model3d, backend="kimi_cg", options=OPTIONS))
+    check("video_chunks", encode3d, model3d, [[2, 4, 4], [1, 6, 4], [4, 2, 2], [1, 2, 2]], 20, results)
+    check("one_video_chunk", encode3d, model3d, [[3, 4, 6]], 21, results)
+
+    # A tower that returns one packed tensor ([rows, 4, D] over all items, as transformers' K2.5 does).
+    packed = lambda pixels, grid: torch.cat(model(pixels, grid))  # noqa: E731
+    encode_packed = kimi_cg.data_parallel(packed, item_rows=lambda row: row[0] * row[1] // 4)
+    check("packed_output", encode_packed, packed, [[4, 4], [2, 6], [6, 2]], 30, results)
+
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
