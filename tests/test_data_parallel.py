@@ -52,15 +52,10 @@ def test_without_a_process_group_the_tower_is_called_directly():
     assert len(calls) == 1
 
 
-def test_two_gloo_ranks_match_eager_and_each_other(tmp_path):
-    init_file = tmp_path / "init"
-    env = dict(os.environ, GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"), OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(WORKER.parent.parent), env.get("PYTHONPATH")]))
-    processes = [
-        subprocess.Popen([sys.executable, str(WORKER), str(rank), "2", str(init_file), str(tmp_path)],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        for rank in range(2)
-    ]
+def run_ranks(command: list[list[str]], env: dict) -> None:
+    """Start one process per command, fail (never hang) after TIMEOUT_S, fail if any exits non-zero."""
+    processes = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+                 for args in command]
     outputs = []
     try:
         for process in processes:
@@ -70,10 +65,13 @@ def test_two_gloo_ranks_match_eager_and_each_other(tmp_path):
             process.kill()
         tails = [(process.communicate()[0] or "")[-3000:] for process in processes]
         pytest.fail(f"the ranks did not finish in {TIMEOUT_S} s (a hang?):\n" + "\n---\n".join(tails))
-    for rank, (process, output) in enumerate(zip(processes, outputs)):
-        assert process.returncode == 0, f"rank {rank} failed:\n{output[-6000:]}"
+    for index, (process, output) in enumerate(zip(processes, outputs)):
+        assert process.returncode == 0, f"process {index} failed:\n{output[-6000:]}"
 
-    results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+
+def check_rank_results(folder: Path) -> None:
+    """Both ranks ran every case, returned the same bytes and plans, and raised together."""
+    results = [torch.load(folder / f"rank{rank}.pt") for rank in range(2)]
     assert results[0].keys() == results[1].keys()
     for name, first in results[0].items():
         second = results[1][name]
@@ -87,3 +85,25 @@ def test_two_gloo_ranks_match_eager_and_each_other(tmp_path):
     # The invalid item (index 2, [3, 4]) went to one rank only; that rank's error is reported everywhere.
     failing = results[0]["rank_local_invalid_item"]["errors"]
     assert len(failing) == 1, failing
+
+
+def worker_env() -> dict:
+    # kimi_cg as installed (the worker runs as a script: its folder, not the repository, is on sys.path).
+    return dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
+
+
+def test_two_gloo_ranks_match_eager_and_each_other(tmp_path):
+    env = worker_env()
+    init_file = tmp_path / "init"
+    run_ranks([[sys.executable, str(WORKER), str(rank), "2", str(init_file), str(tmp_path)] for rank in range(2)], env)
+    check_rank_results(tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_two_nccl_ranks_match_eager_in_bf16(tmp_path):
+    """The same cases on two GPUs: NCCL for the outputs, gloo for the agreement, CUDA graphs, bf16."""
+    env = worker_env()
+    run_ranks([[sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29531",
+                str(WORKER), "--nccl", str(tmp_path)]], env)
+    check_rank_results(tmp_path)
