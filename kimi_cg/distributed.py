@@ -8,9 +8,9 @@ Serving engines run the vision tower data-parallel beside a tensor-parallel lang
 rank holds the whole request and must end with every item's features.
 
 NOTE [data-parallel protocol]
-1. Plan (no communication). Items sorted by token count (``prod(grid row)``: ``t*h*w`` for a video
-   chunk), largest first, each onto the least-loaded rank (ties to the lower rank). The grid is the
-   same on every rank, so every rank computes the same plan.
+1. Plan (no communication). Items sorted by cost, by default their token count (``prod(grid row)``:
+   ``t*h*w`` for a video chunk), largest first, each onto the least-loaded rank (ties to the lower
+   rank). The grid is the same on every rank, so every rank computes the same plan.
 2. Local run. The rank's items (pixel rows and grid rows, in the request's order) in one call of the
    tower: kimi_cg's buckets and CUDA graphs; a share over the largest bucket is split into graphed
    calls by the runtime, an item over it runs unsplit and non-graphed on its rank. A rank with no
@@ -58,6 +58,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.in
 _SUMMARY_FIELDS = 4  # status, fingerprint, items, output kind
 _ITEM_FIELDS = 2 + MAX_DIMS  # dtype, ndim, dims
 _OK, _FAILED = 0, 1
+_ALIGN = 16  # bytes: each item's slot in the gathered buffer starts at a multiple
 _LIST, _TUPLE, _PACKED = 0, 1, 2
 
 
@@ -77,14 +78,14 @@ class Plan:
     """Which items each rank encodes: ``shares[r]`` lists item indices in the request's order."""
 
     shares: tuple[tuple[int, ...], ...]
-    loads: tuple[int, ...]  # tokens per rank
+    loads: tuple[float, ...]  # cost per rank (tokens by default)
 
     @property
     def max_share(self) -> int:
         return max(len(share) for share in self.shares)
 
 
-def plan_items(tokens: Sequence[int], world_size: int) -> Plan:
+def plan_items(tokens: Sequence[float], world_size: int) -> Plan:
     """Largest first onto the least-loaded rank (ties: earlier item first, lower rank first).
 
     The rule every rank applies to the same grid, so the plan needs no communication. Its property
@@ -102,7 +103,8 @@ def plan_items(tokens: Sequence[int], world_size: int) -> Plan:
 
 def data_parallel(tower: Callable, group: dist.ProcessGroup | None = None, *,
                   item_rows: Callable[[tuple[int, ...]], int] | None = None,
-                  pixel_rows: Callable[[tuple[int, ...]], int] | None = None) -> "DataParallelTower":
+                  pixel_rows: Callable[[tuple[int, ...]], int] | None = None,
+                  cost: Callable[[tuple[int, ...]], float] | None = None) -> "DataParallelTower":
     """Wrap ``tower(pixel_values, grid)`` so each rank of ``group`` encodes a share of every request.
 
     Call it on every rank of the default group, in the same order as other group creations: with an
@@ -111,8 +113,20 @@ def data_parallel(tower: Callable, group: dist.ProcessGroup | None = None, *,
 
     ``pixel_rows(grid_row)``: the item's rows of ``pixel_values`` (default: the product of the grid row,
     one row per patch). ``item_rows(grid_row)``: the item's rows of a packed output tensor (default:
-    from the tower's merge size; see the module docstring)."""
-    return DataParallelTower(tower, group, item_rows=item_rows, pixel_rows=pixel_rows)
+    from the tower's merge size; see the module docstring). ``cost(grid_row)``: what the plan balances
+    (default: the item's tokens, the product of its grid row; ``attention_aware_cost`` adds the
+    quadratic attention term)."""
+    return DataParallelTower(tower, group, item_rows=item_rows, pixel_rows=pixel_rows, cost=cost)
+
+
+def attention_aware_cost(attention_tokens: float = 1400.0) -> Callable[[tuple[int, ...]], float]:
+    """Cost ``n + n**2 / attention_tokens`` of an item of ``n`` tokens: its GEMMs grow with n, its
+    attention with n**2. ``attention_tokens`` is the segment length at which attention costs as much
+    time as the rest of the layer (about 1400 for the Kimi-VL config on an H200: attention took 0.7x
+    the GEMM time on ~1000-token images, docs/benchmarks.md)."""
+    if attention_tokens <= 0:
+        raise ValueError(f"attention_tokens must be positive, got {attention_tokens}")
+    return lambda row: math.prod(row) * (1.0 + math.prod(row) / attention_tokens)
 
 
 class DataParallelTower:
@@ -120,8 +134,10 @@ class DataParallelTower:
 
     def __init__(self, tower: Callable, group: dist.ProcessGroup | None = None, *,
                  item_rows: Callable[[tuple[int, ...]], int] | None = None,
-                 pixel_rows: Callable[[tuple[int, ...]], int] | None = None):
+                 pixel_rows: Callable[[tuple[int, ...]], int] | None = None,
+                 cost: Callable[[tuple[int, ...]], float] | None = None):
         self.tower = tower
+        self.cost = cost or math.prod
         self.group = group
         self.item_rows = item_rows
         self.pixel_rows = pixel_rows or math.prod
@@ -168,7 +184,7 @@ class DataParallelTower:
         if sum(rows) != pixel_values.shape[0]:
             raise ValueError(f"pixel_values has {pixel_values.shape[0]} rows but the grid's items have "
                              f"{sum(rows)} (one row per patch: the product of each grid row)")
-        return rows, plan_items([math.prod(row) for row in grid_rows], self.world_size)
+        return rows, plan_items([self.cost(row) for row in grid_rows], self.world_size)
 
     def _run_share(self, pixel_values, grid, rows, share, args, kwargs):
         """The tower on this rank's items; returns (per-item tensors, output kind)."""
@@ -269,12 +285,15 @@ class DataParallelTower:
             dtypes.append(rank_dtypes)
             nbytes.append([math.prod(s) * d.itemsize for s, d in zip(rank_shapes, rank_dtypes)])
         kind = next(k for _, k, _ in headers if k >= 0)
-        width = max(sum(sizes) for sizes in nbytes)
+        # Each item in a slot aligned to _ALIGN bytes, so any dtype's view of it is aligned.
+        width = max(sum(_aligned(size) for size in sizes) for sizes in nbytes)
         device = items[0].device if items else self._output_device()
-        send = torch.zeros(width, dtype=torch.uint8, device=device)
-        if items:
-            flat = torch.cat([item.contiguous().view(-1).view(torch.uint8) for item in items])
-            send[:flat.numel()] = flat
+        send = torch.empty(width, dtype=torch.uint8, device=device)  # padding bytes are never read
+        offset = 0
+        for item in items:
+            flat = item.contiguous().view(-1).view(torch.uint8)
+            send[offset:offset + flat.numel()].copy_(flat)
+            offset += _aligned(flat.numel())
         received = torch.empty(self.world_size * width, dtype=torch.uint8, device=device)
         if device.type == "cuda":
             dist.all_gather_into_tensor(received, send, group=self.group)
@@ -285,7 +304,7 @@ class DataParallelTower:
             offset = rank * width
             for item, shape, dtype, size in zip(share, shapes[rank], dtypes[rank], nbytes[rank]):
                 outputs[item] = received[offset:offset + size].view(dtype).view(shape)
-                offset += size
+                offset += _aligned(size)
         if kind == _PACKED:
             return torch.cat(outputs)
         return tuple(outputs) if kind == _TUPLE else outputs
@@ -295,6 +314,10 @@ class DataParallelTower:
         if dist.get_backend(self.group) == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+
+def _aligned(size: int) -> int:
+    return -(-size // _ALIGN) * _ALIGN
 
 
 def _fingerprint(pixel_values: torch.Tensor, grid: torch.Tensor) -> int:

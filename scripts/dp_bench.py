@@ -4,14 +4,17 @@
 
 Real Kimi-VL config (W4) and MoonViT3d (W4_3d, 20% video chunks), bf16, random weights (the same on
 every rank), compiled with backend="kimi_cg" on every rank. Each rank warms its tower with
-kimi_cg.warm_up (item counts 1..8) and both modes get bench.py's warm-up stream. Then, per workload:
+kimi_cg.warm_up (item counts 1..16) and both modes get bench.py's warm-up stream. Then, per workload:
   single  rank 0 runs the stream on its own GPU, the tower called directly (the other ranks wait);
   dp      every rank runs the same stream through kimi_cg.data_parallel (NCCL for the outputs).
 Each mode runs a fresh stream (sizes its towers have not seen, as bench.py's W4 first pass) and then
 repeats it. Fresh streams differ between the modes (a stream is fresh only once) but are drawn from
-the same distribution: 100 requests of 1-8 items. Times are per request on rank 0, end to end:
+the same distribution: 100 requests of 1-8 items. Then, on the data-parallel stream again (sizes
+seen): the floor (each rank runs its share alone, then a barrier: no agreement, no gather), plans
+balanced by kimi_cg.distributed.attention_aware_cost, and throughput with two requests per encoder
+call (both modes, second pass). Times are per request (or pair) on rank 0, end to end:
 synchronised before (after a barrier, so every rank starts together) and after the call returns
-every item's features. Throughput is requests per second (one request at a time).
+every item's features. Throughput is requests (or pairs) per second, one call at a time.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -59,15 +63,47 @@ def run_stream(encode, stream, seed: int, barrier_group) -> list[float]:
     return times
 
 
+def run_local_shares(tower, stream, seed: int, barrier_group) -> list[float]:
+    """The floor of a data-parallel call: each rank runs its own share (inputs cut before timing),
+    then a barrier; no agreement, no output gather."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    times = []
+    for index, grid in enumerate(stream):
+        pixels, grid_tensor = bench.make_inputs(grid, seed + index)
+        plan = kimi_cg.distributed.plan_items([math.prod(item) for item in grid], world)
+        starts = [0]
+        for item in grid:
+            starts.append(starts[-1] + math.prod(item))
+        share = plan.shares[rank]
+        if share:
+            share_pixels = torch.cat([pixels[starts[i]:starts[i + 1]] for i in share])
+            share_grid = grid_tensor[list(share)]
+        dist.barrier(group=barrier_group)
+        synchronize()
+        start = time.perf_counter()
+        if share:
+            tower(share_pixels, share_grid)
+        synchronize()
+        dist.barrier(group=barrier_group)
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def pairs(stream):
+    """Two consecutive requests in one encoder call (a serving engine batching its encoder inputs)."""
+    return [stream[i] + stream[i + 1] for i in range(0, len(stream) - 1, 2)]
+
+
 def workload(name: str, model_class, config, video_fraction: float, requests: int, barrier_group) -> dict:
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = model_class(config).to(bench.DEVICE, torch.bfloat16).eval()
     tower = torch.compile(model, backend="kimi_cg")
     encode = kimi_cg.data_parallel(tower)
+    encode_attention_aware = kimi_cg.data_parallel(tower, cost=kimi_cg.distributed.attention_aware_cost())
     started = time.perf_counter()
     first = bench.request_stream(7, 1, video_fraction)[0]
-    kimi_cg.warm_up(tower, *bench.make_inputs(first, 0), max_items=8)
+    kimi_cg.warm_up(tower, *bench.make_inputs(first, 0), max_items=16)  # up to 16: pairs of requests
     for index, grid in enumerate(bench.warmup_stream(99, video_fraction=video_fraction)):
         tower(*bench.make_inputs(grid, index))
         encode(*bench.make_inputs(grid, index))
@@ -78,29 +114,45 @@ def workload(name: str, model_class, config, video_fraction: float, requests: in
     single_stream = bench.request_stream(1000, requests, video_fraction)
     dp_stream = bench.request_stream(2000, requests, video_fraction)
     result = {"warm_up_s_rank0": warm_up_s}
-    if rank == 0:
-        result["single"] = summarize(run_stream_alone(tower, single_stream, 1000))
-        result["single_repeat"] = summarize(run_stream_alone(tower, single_stream, 1000))
+    alone = lambda stream, seed: summarize(run_stream_alone(tower, stream, seed)) if rank == 0 else None  # noqa: E731
+    together = lambda fn, stream, seed: summarize(run_stream(fn, stream, seed, barrier_group))  # noqa: E731
+    # Fresh: sizes the towers have not seen (a different stream per mode, the same distribution).
+    result["single"] = alone(single_stream, 1000)
     dist.barrier(group=barrier_group)
     before = dict(kimi_cg.counters)
-    dp_times = run_stream(encode, dp_stream, 2000, barrier_group)
-    dp_repeat = run_stream(encode, dp_stream, 2000, barrier_group)
-    result["dp"], result["dp_repeat"] = summarize(dp_times), summarize(dp_repeat)
+    result["dp"] = together(encode, dp_stream, 2000)
     changes = {key: kimi_cg.counters[key] - before.get(key, 0) for key in kimi_cg.counters}
     result["dp_counter_changes_rank0"] = {key: value for key, value in changes.items() if value}
+    # Repeat: the same streams again (sizes seen), then the variants on the data-parallel stream.
+    result["single_repeat"] = alone(single_stream, 1000)
+    dist.barrier(group=barrier_group)
+    result["dp_repeat"] = together(encode, dp_stream, 2000)
+    result["dp_local_shares_only"] = summarize(run_local_shares(tower, dp_stream, 2000, barrier_group))
+    together(encode_attention_aware, dp_stream, 2000)  # its plans put sizes on other ranks: see them once
+    result["dp_attention_aware_repeat"] = together(encode_attention_aware, dp_stream, 2000)
+    # Throughput with two requests per encoder call, both modes on the same stream, second pass.
+    alone(pairs(dp_stream), 2000)
+    result["pairs_single_repeat"] = alone(pairs(dp_stream), 2000)
+    dist.barrier(group=barrier_group)
+    together(encode, pairs(dp_stream), 2000)
+    result["pairs_dp_repeat"] = together(encode, pairs(dp_stream), 2000)
     # How even the plans were: the busiest rank's tokens over the mean per rank, averaged over requests.
-    world = dist.get_world_size()
     imbalance = [max(plan.loads) * world / sum(plan.loads)
-                 for plan in (kimi_cg.distributed.plan_items([int(torch.tensor(item).prod()) for item in grid], world)
+                 for plan in (kimi_cg.distributed.plan_items([math.prod(item) for item in grid], world)
                               for grid in dp_stream)]
     result["dp_mean_load_imbalance"] = statistics.fmean(imbalance)
     if rank == 0:
-        result["dp_speedup_fresh"] = result["single"]["mean_ms"] / result["dp"]["mean_ms"]
-        result["dp_speedup_repeat"] = result["single_repeat"]["mean_ms"] / result["dp_repeat"]["mean_ms"]
-        result["p99_ratio_fresh"] = result["dp"]["p99_ms"] / result["single"]["p99_ms"]
+        ratio = lambda a, b: result[a]["mean_ms"] / result[b]["mean_ms"]  # noqa: E731
+        result["speedups"] = {
+            "fresh": ratio("single", "dp"), "repeat": ratio("single_repeat", "dp_repeat"),
+            "repeat_attention_aware": ratio("single_repeat", "dp_attention_aware_repeat"),
+            "local_shares_floor": ratio("single_repeat", "dp_local_shares_only"),
+            "pairs_throughput": ratio("pairs_single_repeat", "pairs_dp_repeat"),
+            "p99_fresh_dp_over_single": result["dp"]["p99_ms"] / result["single"]["p99_ms"],
+        }
         print(f"{name}: single {result['single']['mean_ms']:.2f} ms (p99 {result['single']['p99_ms']:.2f}), "
-              f"dp {result['dp']['mean_ms']:.2f} ms (p99 {result['dp']['p99_ms']:.2f}): "
-              f"{result['dp_speedup_fresh']:.2f}x fresh, {result['dp_speedup_repeat']:.2f}x repeat", flush=True)
+              f"dp {result['dp']['mean_ms']:.2f} ms (p99 {result['dp']['p99_ms']:.2f}); speed-ups "
+              + ", ".join(f"{key} {value:.2f}" for key, value in result["speedups"].items()), flush=True)
     return result
 
 
