@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU proof on the H200 in one run: core tests under the GPU machine's torch, the GPU tests
-# (CUDA-graph replays vs eager in bf16, fuzzed, poisoned pool), then a short summary.
+# (CUDA-graph replays vs eager in bf16, fuzzed, poisoned pool; data_parallel over NCCL where the host
+# has two GPUs), then a short summary.
 # On a GPU host without internet access kimi_cg comes from a wheel built beforehand:
 #   pip wheel --no-deps --no-build-isolation -w .whl .   (and copy .whl/ along with the tree)
 set -uo pipefail
@@ -33,6 +34,7 @@ reliability=$!
   tests/test_testing.py tests/test_dumps.py > "$OUT/testing_dump_tests.txt" 2>&1) &
 testing=$!
 python3 -P -m pytest -v -p no:cacheprovider --durations=10 tests/test_gpu.py tests/test_kernels.py tests/test_varlen_attention.py \
+  tests/test_data_parallel.py \
   > "$OUT/gpu_tests.txt" 2>&1 || status=1
 tail -15 "$OUT/gpu_tests.txt"
 wait $core || status=1
