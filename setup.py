@@ -14,7 +14,7 @@ setup(
     # triton: the merge-gather kernels (CUDA) and their PyTorch references live in one module.
     install_requires=["torch>=2.11", "triton>=3.0", "sympy", "safetensors", "tqdm", "numpy"],
     extras_require={
-        "test": ["pytest", "hypothesis", "triton==3.6.0", "transformers>=5.0"],
+        "test": ["pytest", "pytest-xdist", "hypothesis", "triton==3.6.0", "transformers>=5.0"],
         "flash": ["flash-attn"],
     },
     entry_points={"torch_dynamo_backends": ["kimi_cg = kimi_cg.backend:kimi_cg_backend"]},

@@ -20,7 +20,7 @@ if ! python -c "import torch" >/dev/null 2>&1; then
     python -m pip install -q "torch==2.13.0"
   fi
 fi
-if ! python -c "import kimi_cg.kernels, hypothesis, transformers, safetensors, triton" >/dev/null 2>&1; then
+if ! python -c "import kimi_cg.kernels, hypothesis, transformers, safetensors, triton, xdist" >/dev/null 2>&1; then
   python -m pip install -q -e ".[test]"
 fi
 python -c "import torch; print(f'kimi_cg env: python {__import__(\"sys\").version.split()[0]}, torch {torch.__version__}, cuda {torch.cuda.is_available()}')"
