@@ -61,6 +61,9 @@ def test_index_names_every_graph_by_compile_id_with_its_grid_and_files(served):
     assert [g["grid"] for g in lifted] == [list(grid) for grid in SERVED_GRIDS]
     assert all(g["status"] == "lifted" and "moonvit.py:" in g["frame"] for g in lifted), lifted
     assert unlifted[0]["status"].startswith("fell back") and "test_soundness.py:" in unlifted[0]["frame"]
+    # The model each graph came from: the traced frame's module class.
+    assert [g["model"] for g in graphs] == ["kimi_cg.models.moonvit.MoonVitPretrainedModel"] * 4 + [
+        "test_soundness.ScalarIntoDeviceOp"]
     for graph in lifted:
         files = set(os.listdir(graph["path"]))
         assert files == set(graph["files"]) and {"00_dynamo_graph.py", "host_program.py", "lift_report.json"} <= files
@@ -70,6 +73,7 @@ def test_index_names_every_graph_by_compile_id_with_its_grid_and_files(served):
     assert len({g["device_programs_file"] for g in lifted}) == 2  # static first-shape program, then one shared
     index = (Path(graphs[0]["path"]).parent / "index.md").read_text()
     assert all(f"[{g['compile_id']}]" in index and g["folder"] in index for g in graphs)
+    assert "Models: kimi_cg.models.moonvit.MoonVitPretrainedModel, test_soundness.ScalarIntoDeviceOp" in index
     # The graphs' buckets (CPU: padded, not captured) are in the index once a call replayed them.
     assert lifted[1]["buckets"] == [256, 512] and lifted[1]["captured_buckets"] == 0 and "2 up to 512 (0)" in index
     assert lifted[0]["buckets"] == [24]  # dynamo's static first trace: one bucket of exactly its size
@@ -141,6 +145,39 @@ def test_each_process_gets_its_own_run_folder(tmp_path):
     assert len(runs) == 2  # the second run neither overwrote nor mixed with the first
     for run in runs:
         assert [g["compile_id"] for g in read_index(str(tmp_path), run.name)] == ["0/0"]
+
+
+def test_a_call_the_lifted_program_could_not_run_is_recorded(tmp_path, caplog, monkeypatch):
+    """A call-time limit (here injected into the lifted program for one grid): the captured graph runs
+    the call; the dump counts it by reason in the index and keeps the first such call's error and grid."""
+    from kimi_cg.runtime.runner import LiftedRunner
+
+    run_lifted = LiftedRunner._run_lifted
+
+    def failing_for_a_6x2_item(self, args, record=None):
+        if any(isinstance(a, torch.Tensor) and a.dim() == 2 and not a.is_floating_point() and [6, 2] in a.tolist()
+               for a in args):
+            raise UnsupportedGraphError("an injected call-time limit", reason="injected limit", where="test_dumps.py:1")
+        return run_lifted(self, args, record)
+
+    monkeypatch.setattr(LiftedRunner, "_run_lifted", failing_for_a_6x2_item)
+    torch.manual_seed(0)
+    model = MoonVitPretrainedModel(MoonVitConfig.tiny()).eval()
+    compiled = torch.compile(model, backend="kimi_cg", options={"debug_dir": str(tmp_path), "cuda_graphs": True,
+                                                                "token_budgets": [256]})
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="kimi_cg"):
+        for grid in ([[4, 6], [2, 2]], [[6, 2], [2, 2]], [[6, 2], [4, 4]], [[2, 4], [2, 2]]):
+            grid_tensor = torch.tensor(grid)
+            pixels = torch.randn(int(grid_tensor.prod(-1).sum()), 3, 14, 14)
+            for got, want in zip(compiled(pixels, grid_tensor), model(pixels, grid_tensor), strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert kimi_cg.counters["call_fallbacks"] == 2
+    (graph,) = [g for g in read_index(str(tmp_path)) if g.get("call_fallbacks")]
+    assert graph["call_fallbacks"] == {"injected limit": 2}
+    record = (Path(graph["path"]) / "call_error.txt").read_text()
+    assert record.startswith("injected limit at test_dumps.py:1") and "[[6, 2], [2, 2]]" in record and "Traceback" in record
+    assert "injected limit x2" in (Path(graph["path"]).parent / "index.md").read_text()
+    assert any("call_error.txt" in r.getMessage() for r in caplog.records)
 
 
 def test_a_lift_failure_is_recorded_with_its_reason_and_named_in_the_warning(tmp_path, caplog):

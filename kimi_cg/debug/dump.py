@@ -67,24 +67,30 @@ class _Run:
         with _lock:
             entries = [dict(entry) for entry in self.entries]
         _write_atomically(os.path.join(self.folder, "index.json"), json.dumps({"graphs": entries}, indent=2, default=str))
+        models = sorted({entry["model"] for entry in entries if entry.get("model")})
         lines = ["# kimi_cg debug dump", "", f"Process {os.getpid()}, torch {torch.__version__}. One row per dynamo graph "
-                 "kimi_cg received, in compile order.", "",
-                 "| compile id | frame | grid at trace | status | device program | buckets (captured), graph MB | folder |",
-                 "|---|---|---|---|---|---|---|"]
+                 "kimi_cg received, in compile order.", "", f"Models: {', '.join(models) or 'unknown'}", "",
+                 "| compile id | model | frame | grid at trace | status | device program | buckets (captured), graph MB | folder |",
+                 "|---|---|---|---|---|---|---|---|"]
         for entry in entries:
             status = entry["status"]
             if entry.get("reason"):
                 status += f": {entry['reason']} at {entry.get('where', '?')}"
             if entry.get("graph_break"):
                 status += f" (ends at a graph break: {entry['graph_break']})"
+            if entry.get("call_fallbacks"):
+                status += "; calls run by the captured graph: " + ", ".join(
+                    f"{reason} x{count}" for reason, count in entry["call_fallbacks"].items())
             graphs = "-"
             if entry.get("buckets"):
                 graphs = (f"{len(entry['buckets'])} up to {max(entry['buckets'])} ({entry.get('captured_buckets', 0)}), "
                           f"{entry.get('graph_memory_mb', 0)} MB")
-            lines.append(f"| [{entry['compile_id']}] | {entry['frame']} | {entry.get('grid', '-')} | {status} | "
+            model = (entry.get("model") or "?").rsplit(".", 1)[-1]
+            lines.append(f"| [{entry['compile_id']}] | {model} | {entry['frame']} | {entry.get('grid', '-')} | {status} | "
                          f"{entry.get('device_program', '-')} | {graphs} | [{entry['folder']}]({entry['folder']}/) |")
         lines += ["", "Per graph folder: 00_dynamo_graph.py (as received), NN_<pass>.diff (what each pass that changed "
-                  "the graph changed), host and post programs, lift_report.json, error.txt when lifting failed. "
+                  "the graph changed), host and post programs, lift_report.json, error.txt when lifting failed, "
+                  "call_error.txt for the first call the lifted program could not run. "
                   "device_programs/: each device program once."]
         _write_atomically(os.path.join(self.folder, "index.md"), "\n".join(lines) + "\n")
 
@@ -187,6 +193,22 @@ class GraphDump:
         self.update(status="fell back (runs unlifted)", reason=reason, where=where)
         return os.path.join(self.folder, "error.txt") if self.folder else None
 
+    def call_failed(self, error: BaseException, reason: str, where: str, grid: Any = None) -> str | None:
+        """A call the lifted program could not run (the captured graph ran it): counted by reason in
+        the index (``call_fallbacks``); the first such call's error and grid go to call_error.txt.
+        Returns the path of that record (None when not dumping)."""
+        with _lock:
+            fallbacks = self.entry.setdefault("call_fallbacks", {})
+            first = not fallbacks
+            fallbacks[reason] = fallbacks.get(reason, 0) + 1
+        if first:
+            text = (f"{reason} at {where}\ngrid of the call: {grid}\n\n"
+                    + "".join(traceback.format_exception(type(error), error, error.__traceback__)))
+            self.file("call_error.txt", lambda: text)
+        if self.run is not None:
+            self.run.write_index()
+        return os.path.join(self.folder, "call_error.txt") if self.folder else None
+
     def _emit(self, file_name: str, name: str, payload: str) -> None:
         torch._logging.trace_structured(
             "artifact",
@@ -208,7 +230,7 @@ def start_graph(debug_dir: str | None, gm: torch.fx.GraphModule, frame: str, gri
             if run is None or not os.path.isdir(run.folder):
                 run = _runs[debug_dir] = _Run(debug_dir)
     dump = GraphDump(run, gm, current_compile_id(), frame)
-    dump.update(grid=grid, graph_break=_graph_break_reason(gm))
+    dump.update(model=model_of(), grid=grid, graph_break=_graph_break_reason(gm))
     dump.stage("dynamo_graph", lambda: gm.print_readable(print_output=False))
     return dump
 
@@ -244,6 +266,22 @@ def frame_of(gm: torch.fx.GraphModule) -> str:
         if match:
             return f"{match.group(1)}:{match.group(2)} ({match.group(3)})"
     return "unknown frame"
+
+
+def model_of() -> str | None:
+    """The class of the module whose frame dynamo is tracing (``self`` of the traced frame), else the
+    frame's qualified function name; None outside a dynamo trace. Read from dynamo's current
+    instruction translator, which is live while it calls the backend."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        module = tx.f_locals.get("self") if tx is not None else None
+    except Exception:  # noqa: BLE001 - a debugging aid: dynamo internals differ between versions
+        return None
+    if isinstance(module, torch.nn.Module):
+        return f"{type(module).__module__}.{type(module).__qualname__}"
+    return getattr(tx.f_code, "co_qualname", tx.f_code.co_name)
 
 
 def current_compile_id() -> str:

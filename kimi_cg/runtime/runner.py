@@ -130,7 +130,14 @@ class LiftedRunner:
             raise UnsupportedGraphError(f"kimi_cg could not run this call lifted ({detail}); the captured graph runs it",
                                         reason) from error
         counters["call_fallbacks"] += 1
-        record_fallback(reason, getattr(error, "where", None) or "call time", detail, "this call ran the captured graph")
+        where = getattr(error, "where", None) or "call time"
+        record = None
+        if self.dump is not None:
+            try:
+                record = self.dump.call_failed(error, reason, where, grid=_grids_of(args))
+            except Exception:  # noqa: BLE001 - a debugging aid must never change what runs
+                logger.debug("kimi_cg: recording a call fallback in the dump failed", exc_info=True)
+        record_fallback(reason, where, detail + (f" (dump: {record})" if record else ""), "this call ran the captured graph")
         return result
 
     def _run_lifted(self, args, record=None):
@@ -304,3 +311,9 @@ def _copy_keeping_aliases(outputs: list, positions: list[int]) -> None:
             value = outputs[i]
             outputs[i] = torch.empty(0, dtype=value.dtype, device=value.device).set_(
                 storage, value.storage_offset(), value.shape, value.stride())
+
+
+def _grids_of(args) -> list:
+    """The call's small integer tensors (its grids) as lists, for a failure record."""
+    return [value.tolist() for value in args if isinstance(value, torch.Tensor) and not value.is_floating_point()
+            and value.numel() <= 4096]
