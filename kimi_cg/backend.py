@@ -28,7 +28,7 @@ from kimi_cg.runtime.graphs import BucketedGraphs, input_rules
 from kimi_cg.runtime.runner import LiftedRunner
 from kimi_cg.debug import report_graph_break, write_lift_report
 from kimi_cg.debug.dump import GraphDump, frame_of, start_graph
-from kimi_cg.debug.repro import repro_source
+from kimi_cg.debug.repro import placeholder_sources, repro_source
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,14 @@ def _lift(work: torch.fx.GraphModule, pristine: torch.fx.GraphModule, inputs, ac
             device.dumps.append(dump)
     graphs = _bucketed_graphs(config, lifted, inputs, device, example_inputs)
     return LiftedRunner(lifted, host, device, activations[0], graphs, fallback=pristine.forward, strict=config.strict,
-                        dump=dump)
+                        dump=dump, repro=_call_repro(pristine, inputs, config))
+
+
+def _call_repro(pristine: torch.fx.GraphModule, inputs, config: KimiCGConfig):
+    """(call args, title) -> call_repro.py text, for a call the lifted program cannot run; the
+    placeholders' dynamo sources are taken now, while dynamo's metadata is still on the graph."""
+    sources = placeholder_sources(pristine)
+    return lambda args, title: repro_source(pristine, inputs, args, config, title, sources=sources)
 
 
 def _unlifted(gm: torch.fx.GraphModule, error: Exception, config: KimiCGConfig, dump: GraphDump, inputs=(),

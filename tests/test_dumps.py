@@ -19,6 +19,7 @@ import kimi_cg
 from kimi_cg.debug.dump import read_index
 from kimi_cg.errors import UnsupportedGraphError
 from kimi_cg.models import MoonVitConfig, MoonVitPretrainedModel
+from dumps import inject_call_limit
 from test_soundness import ScalarIntoDeviceOp  # a grid value into a device op: kimi_cg cannot lift it
 
 GRIDS = ([[4, 6]], [[2, 8]], [[4, 4], [2, 2]], [[6, 2], [2, 4], [2, 2]])
@@ -152,15 +153,8 @@ def test_a_call_the_lifted_program_could_not_run_is_recorded(tmp_path, caplog, m
     the call; the dump counts it by reason in the index and keeps the first such call's error and grid."""
     from kimi_cg.runtime.runner import LiftedRunner
 
-    run_lifted = LiftedRunner._run_lifted
-
-    def failing_for_a_6x2_item(self, args, record=None):
-        if any(isinstance(a, torch.Tensor) and a.dim() == 2 and not a.is_floating_point() and [6, 2] in a.tolist()
-               for a in args):
-            raise UnsupportedGraphError("an injected call-time limit", reason="injected limit", where="test_dumps.py:1")
-        return run_lifted(self, args, record)
-
-    monkeypatch.setattr(LiftedRunner, "_run_lifted", failing_for_a_6x2_item)
+    monkeypatch.setattr(LiftedRunner, "_run_lifted", LiftedRunner._run_lifted)  # restored after the test
+    inject_call_limit([6, 2])
     torch.manual_seed(0)
     model = MoonVitPretrainedModel(MoonVitConfig.tiny()).eval()
     compiled = torch.compile(model, backend="kimi_cg", options={"debug_dir": str(tmp_path), "cuda_graphs": True,
@@ -175,9 +169,17 @@ def test_a_call_the_lifted_program_could_not_run_is_recorded(tmp_path, caplog, m
     (graph,) = [g for g in read_index(str(tmp_path)) if g.get("call_fallbacks")]
     assert graph["call_fallbacks"] == {"injected limit": 2}
     record = (Path(graph["path"]) / "call_error.txt").read_text()
-    assert record.startswith("injected limit at test_dumps.py:1") and "[[6, 2], [2, 2]]" in record and "Traceback" in record
+    assert record.startswith("injected limit at dumps.py:1") and "[[6, 2], [2, 2]]" in record and "Traceback" in record
     assert "injected limit x2" in (Path(graph["path"]).parent / "index.md").read_text()
     assert any("call_error.txt" in r.getMessage() for r in caplog.records)
+    # call_repro.py holds the graph and this call's grid: under the same condition it raises the same error.
+    repro = Path(graph["path"]) / "call_repro.py"
+    run = f"import dumps, runpy; dumps.inject_call_limit([6, 2]); runpy.run_path({str(repro)!r}, run_name='__main__')"
+    result = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                            env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent),
+                                                                                         os.environ.get("PYTHONPATH")]))))
+    assert result.returncode != 0 and "UnsupportedGraphError: kimi_cg could not run this call lifted" in result.stderr \
+        and "injected" in result.stderr, result.stdout[-1000:] + result.stderr[-3000:]
 
 
 def test_a_lift_failure_is_recorded_with_its_reason_and_named_in_the_warning(tmp_path, caplog):
@@ -305,3 +307,20 @@ def test_the_inductor_code_of_the_device_program_is_in_the_dump(tmp_path):
     assert dynamic["device_program"].startswith("inductor")
     code = (Path(dynamic["path"]).parent / dynamic["inductor_code_file"]).read_text()
     assert "def call(" in code and "async_compile" in code  # Inductor's output module
+
+
+def test_the_dump_of_a_27_layer_tower_over_8_item_counts_stays_small(tmp_path):
+    """Before diffs and shared device programs (2026-11-30) this dump was 37.4 MB in 126 files
+    (27 unrolled layers, item counts 1..8, a full graph per pass); it must stay at least 3x smaller."""
+    torch.manual_seed(0)
+    model = MoonVitPretrainedModel(MoonVitConfig.tiny(num_hidden_layers=27)).eval()
+    compiled = torch.compile(model, backend="kimi_cg", options={"debug_dir": str(tmp_path)})
+    grid = torch.tensor([[4, 4]])
+    with torch.no_grad():
+        kimi_cg.warm_up(compiled, torch.randn(16, 3, 14, 14), grid, max_items=8)
+    graphs = read_index(str(tmp_path))
+    assert len(graphs) >= 9 and all(g["status"] == "lifted" for g in graphs)  # every item count, the first twice
+    files = [path for path in tmp_path.rglob("*") if path.is_file()]
+    size_mb = sum(path.stat().st_size for path in files) / 1e6
+    print(f"dump: {size_mb:.1f} MB in {len(files)} files, {len(graphs)} graphs")
+    assert size_mb <= 37.4 / 3, f"{size_mb:.1f} MB in {len(files)} files"

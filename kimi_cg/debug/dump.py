@@ -193,10 +193,12 @@ class GraphDump:
         self.update(status="fell back (runs unlifted)", reason=reason, where=where)
         return os.path.join(self.folder, "error.txt") if self.folder else None
 
-    def call_failed(self, error: BaseException, reason: str, where: str, grid: Any = None) -> str | None:
+    def call_failed(self, error: BaseException, reason: str, where: str, grid: Any = None,
+                    repro: Callable[[], str | None] | None = None) -> str | None:
         """A call the lifted program could not run (the captured graph ran it): counted by reason in
-        the index (``call_fallbacks``); the first such call's error and grid go to call_error.txt.
-        Returns the path of that record (None when not dumping)."""
+        the index (``call_fallbacks``); the first such call's error and grid go to call_error.txt and,
+        when the graph can be written down, call_repro.py (this call's inputs, strict=True: it raises
+        the same error). Returns the path of the error record (None when not dumping)."""
         with _lock:
             fallbacks = self.entry.setdefault("call_fallbacks", {})
             first = not fallbacks
@@ -205,6 +207,13 @@ class GraphDump:
             text = (f"{reason} at {where}\ngrid of the call: {grid}\n\n"
                     + "".join(traceback.format_exception(type(error), error, error.__traceback__)))
             self.file("call_error.txt", lambda: text)
+            if repro is not None and self.folder is not None:
+                try:
+                    script = repro()
+                except Exception:  # noqa: BLE001 - a debugging aid must never change what runs
+                    script = None
+                if script is not None:
+                    self.file("call_repro.py", lambda: script)
         if self.run is not None:
             self.run.write_index()
         return os.path.join(self.folder, "call_error.txt") if self.folder else None

@@ -1,4 +1,5 @@
-"""``repro.py`` for a graph kimi_cg could not lift: a standalone script that raises the same error.
+"""``repro.py`` for a graph kimi_cg could not lift (and ``call_repro.py`` for a call its lifted program
+could not run, over that call's inputs): a standalone script that raises the same error.
 
 The script holds the dynamo graph's code (as received), a module whose parameters stand for the
 graph's module state (random values of the recorded shapes and dtypes; integer state keeps its
@@ -22,20 +23,29 @@ from kimi_cg.capture import InputRole, source_name
 _SMALL = 1 << 16  # integer tensors up to this many elements keep their values
 
 
-def repro_source(gm: torch.fx.GraphModule, inputs, example_inputs, config, title: str) -> str | None:
-    """The script's text, or None when a graph input or global cannot be written down."""
+def placeholder_sources(gm: torch.fx.GraphModule) -> list[str | None]:
+    """Dynamo's source name of each placeholder, read while dynamo's metadata is on the graph (it is
+    dropped after compiling, so a repro written at call time needs them taken at lift time)."""
+    return [source_name(node) for node in gm.graph.nodes if node.op == "placeholder"]
+
+
+def repro_source(gm: torch.fx.GraphModule, inputs, example_inputs, config, title: str,
+                 sources: list[str | None] | None = None) -> str | None:
+    """The script's text, or None when a graph input or global cannot be written down. ``sources``:
+    ``placeholder_sources(gm)`` taken earlier (default: read now)."""
     code = gm.graph.python_code(root_module="self")
     header = _imports(code.globals)
     if header is None:
         return None
     placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+    sources = sources if sources is not None else placeholder_sources(gm)
     call_args, state, call_inputs = [], [], []
     dynamic = False
     for item, node in zip(inputs, placeholders):
         value = example_inputs[item.index] if item.index < len(example_inputs) else None
         if item.role is InputRole.SIZE:
             dynamic = True
-            expression = _size_expression(node, placeholders, inputs)
+            expression = _size_expression(sources[placeholders.index(node)], placeholders, inputs)
             if expression is None:
                 return None
             call_args.append(expression)
@@ -108,9 +118,9 @@ def _imports(globals_: dict) -> str | None:
     return "\n".join(lines)
 
 
-def _size_expression(node, placeholders, inputs) -> str | None:
+def _size_expression(source: str | None, placeholders, inputs) -> str | None:
     """``input_i.size(d)`` for a size placeholder whose dynamo source is ``L['x'].size()[d]``."""
-    match = re.fullmatch(r"L\['(\w+)'\]\.size\(\)\[(\d+)\]", source_name(node) or "")
+    match = re.fullmatch(r"L\['(\w+)'\]\.size\(\)\[(\d+)\]", source or "")
     if match is None:
         return None
     local, dim = match.groups()

@@ -33,9 +33,10 @@ class LiftedRunner:
     """The callable kimi_cg returns to dynamo for one graph."""
 
     def __init__(self, lifted: LiftedGraph, host: HostProgram, device: DeviceProgram, activation_index: int | None,
-                 graphs_for=None, fallback=None, strict: bool = False, dump=None):
+                 graphs_for=None, fallback=None, strict: bool = False, dump=None, repro=None):
         self.lifted = lifted
         self.dump = dump  # kimi_cg.debug.dump.GraphDump: per-call records (NOTE [call records])
+        self.repro = repro  # (call args, title) -> repro.py text or None (debug/repro.py)
         self.fallback = fallback  # the captured graph, unchanged (NOTE [errors by who must act])
         self.strict = strict
         self.host = host
@@ -126,19 +127,32 @@ class LiftedRunner:
         else:
             reason = f"lifted program failed ({type(error).__name__})"
         detail = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        where = getattr(error, "where", None) or "call time"
+        record = self._record_call_failure(error, reason, where, args)
+        if record:
+            detail += f" (dump: {record})"
         if self.strict:
             raise UnsupportedGraphError(f"kimi_cg could not run this call lifted ({detail}); the captured graph runs it",
                                         reason) from error
         counters["call_fallbacks"] += 1
-        where = getattr(error, "where", None) or "call time"
-        record = None
-        if self.dump is not None:
-            try:
-                record = self.dump.call_failed(error, reason, where, grid=_grids_of(args))
-            except Exception:  # noqa: BLE001 - a debugging aid must never change what runs
-                logger.debug("kimi_cg: recording a call fallback in the dump failed", exc_info=True)
-        record_fallback(reason, where, detail + (f" (dump: {record})" if record else ""), "this call ran the captured graph")
+        record_fallback(reason, where, detail, "this call ran the captured graph")
         return result
+
+    def _record_call_failure(self, error: Exception, reason: str, where: str, args) -> str | None:
+        """The dump's record of a call the lifted program could not run (and, for the first, a
+        call_repro.py over this call's inputs); None when not dumping."""
+        if self.dump is None:
+            return None
+        repro = None
+        if self.repro is not None:
+            title = (f"Reproduces a call that kimi_cg's lifted program of graph [{self.dump.entry['compile_id']}] "
+                     f"could not run: {reason} at {where}")
+            repro = lambda: self.repro(args, title)  # noqa: E731
+        try:
+            return self.dump.call_failed(error, reason, where, grid=_grids_of(args), repro=repro)
+        except Exception:  # noqa: BLE001 - a debugging aid must never change what runs
+            logger.debug("kimi_cg: recording a call fallback in the dump failed", exc_info=True)
+            return None
 
     def _run_lifted(self, args, record=None):
         results = {}
