@@ -28,6 +28,11 @@ NOTE [data-parallel protocol]
    part; every rank cuts the received buffer into items and returns them in the request's order. The
    bytes every rank returns are the same (a rank's own items are also read from the gathered buffer).
 
+Calls on one group must come in the same order on every rank, one at a time (as any collective):
+two threads calling through the same group concurrently would pair up different requests' messages.
+A rank that dies (a crash, not an exception) leaves the others waiting until the process group's
+timeout, as in any torch.distributed program.
+
 Output structures: a list (or tuple) with one tensor per item (MoonViT, MoonViT3d), or one tensor of
 the items' rows packed in order (transformers' towers); a packed tensor needs the rows of each item,
 ``item_rows(grid_row) -> int``, found from the tower's ``spatial_merge_size`` (Qwen2-VL, Qwen2.5-VL,
