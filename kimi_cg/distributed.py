@@ -37,8 +37,9 @@ Output structures: a list (or tuple) with one tensor per item (MoonViT, MoonViT3
 the items' rows packed in order (transformers' towers); a packed tensor needs the rows of each item,
 ``item_rows(grid_row) -> int``, found from the tower's ``spatial_merge_size`` (Qwen2-VL, Qwen2.5-VL,
 GLM-4V: ``t*h*w / m**2``) or ``merge_kernel_size`` (Kimi-K2.5: ``h*w / (kh*kw)``, frames pooled) when
-not given. For a tower that returns a model output object, wrap it:
-``data_parallel(lambda pixels, grid: tower(pixels, grid).pooler_output)``.
+not given. A tower that returns a model output object (transformers' towers return
+``BaseModelOutputWithPooling``) names the field to gather: ``data_parallel(tower, output="pooler_output")``
+(or a callable picking it); the other fields are not gathered.
 """
 
 from __future__ import annotations
@@ -109,7 +110,8 @@ def plan_items(tokens: Sequence[float], world_size: int) -> Plan:
 def data_parallel(tower: Callable, group: dist.ProcessGroup | None = None, *,
                   item_rows: Callable[[tuple[int, ...]], int] | None = None,
                   pixel_rows: Callable[[tuple[int, ...]], int] | None = None,
-                  cost: Callable[[tuple[int, ...]], float] | None = None) -> "DataParallelTower":
+                  cost: Callable[[tuple[int, ...]], float] | None = None,
+                  output: str | Callable | None = None) -> "DataParallelTower":
     """Wrap ``tower(pixel_values, grid)`` so each rank of ``group`` encodes a share of every request.
 
     Call it on every rank of the default group, in the same order as other group creations: with an
@@ -120,8 +122,9 @@ def data_parallel(tower: Callable, group: dist.ProcessGroup | None = None, *,
     one row per patch). ``item_rows(grid_row)``: the item's rows of a packed output tensor (default:
     from the tower's merge size; see the module docstring). ``cost(grid_row)``: what the plan balances
     (default: the item's tokens, the product of its grid row; ``attention_aware_cost`` adds the
-    quadratic attention term)."""
-    return DataParallelTower(tower, group, item_rows=item_rows, pixel_rows=pixel_rows, cost=cost)
+    quadratic attention term). ``output``: the field of the tower's return value to gather (a name,
+    read as an attribute or a key, or a callable), for towers that return a model output object."""
+    return DataParallelTower(tower, group, item_rows=item_rows, pixel_rows=pixel_rows, cost=cost, output=output)
 
 
 def attention_aware_cost(attention_tokens: float = 1400.0) -> Callable[[tuple[int, ...]], float]:
@@ -140,9 +143,11 @@ class DataParallelTower:
     def __init__(self, tower: Callable, group: dist.ProcessGroup | None = None, *,
                  item_rows: Callable[[tuple[int, ...]], int] | None = None,
                  pixel_rows: Callable[[tuple[int, ...]], int] | None = None,
-                 cost: Callable[[tuple[int, ...]], float] | None = None):
+                 cost: Callable[[tuple[int, ...]], float] | None = None,
+                 output: str | Callable | None = None):
         self.tower = tower
         self.cost = cost or math.prod
+        self.output = output
         self.group = group
         self.item_rows = item_rows
         self.pixel_rows = pixel_rows or math.prod
@@ -163,7 +168,7 @@ class DataParallelTower:
 
     def __call__(self, pixel_values: torch.Tensor, grid: torch.Tensor, *args, **kwargs):
         if not self.distributed or self.world_size == 1:
-            return self.tower(pixel_values, grid, *args, **kwargs)
+            return self._select(self.tower(pixel_values, grid, *args, **kwargs))
         plan, local, shapes, cause, fingerprint = None, ([], None), None, None, 0
         try:
             fingerprint = _fingerprint(pixel_values, grid)
@@ -203,7 +208,7 @@ class DataParallelTower:
         else:
             pixels = torch.cat([pixel_values[starts[i]:starts[i + 1]] for i in share])
             sub_grid = grid[list(share)]
-        output = self.tower(pixels, sub_grid, *args, **kwargs)
+        output = self._select(self.tower(pixels, sub_grid, *args, **kwargs))
         grid_rows = [tuple(int(v) for v in sub_grid[j].tolist()) for j in range(len(share))]
         if isinstance(output, (list, tuple)):
             if len(output) != len(share) or not all(isinstance(item, torch.Tensor) for item in output):
@@ -216,8 +221,20 @@ class DataParallelTower:
                 raise ValueError(f"the tower's packed output has {output.shape[0]} rows but item_rows gives "
                                  f"{sum(counts)} for the items {grid_rows}: pass item_rows= that matches the tower")
             return list(torch.split(output, counts)), _PACKED
-        raise TypeError(f"the tower returned {type(output).__name__}; data_parallel handles one tensor per item "
-                        "or one packed tensor: wrap the tower, e.g. lambda pixels, grid: tower(pixels, grid).pooler_output")
+        raise TypeError(f"the tower returned {type(output).__name__}; data_parallel gathers one tensor per item or "
+                        "one packed tensor: name the field to gather, e.g. data_parallel(tower, output='pooler_output')")
+
+    def _select(self, value):
+        if self.output is None:
+            return value
+        if callable(self.output):
+            return self.output(value)
+        if hasattr(value, self.output):
+            return getattr(value, self.output)
+        try:
+            return value[self.output]
+        except (KeyError, TypeError, IndexError):
+            raise TypeError(f"the tower's {type(value).__name__} has no field {self.output!r}") from None
 
     def _item_rows(self, row: tuple[int, ...]) -> int:
         if self.item_rows is None:

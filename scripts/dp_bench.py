@@ -50,11 +50,14 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def run_stream(encode, stream, seed: int, barrier_group) -> list[float]:
+def run_stream(encode, stream, seed: int, barrier_group=None) -> list[float]:
+    """Per request: synchronise (after a barrier of every rank, when barrier_group is given), call,
+    synchronise; milliseconds."""
     times = []
     for index, grid in enumerate(stream):
         pixels, grid_tensor = bench.make_inputs(grid, seed + index)
-        dist.barrier(group=barrier_group)
+        if barrier_group is not None:
+            dist.barrier(group=barrier_group)
         synchronize()
         start = time.perf_counter()
         encode(pixels, grid_tensor)
@@ -114,7 +117,7 @@ def workload(name: str, model_class, config, video_fraction: float, requests: in
     single_stream = bench.request_stream(1000, requests, video_fraction)
     dp_stream = bench.request_stream(2000, requests, video_fraction)
     result = {"warm_up_s_rank0": warm_up_s}
-    alone = lambda stream, seed: summarize(run_stream_alone(tower, stream, seed)) if rank == 0 else None  # noqa: E731
+    alone = lambda stream, seed: summarize(run_stream(tower, stream, seed)) if rank == 0 else None  # noqa: E731
     together = lambda fn, stream, seed: summarize(run_stream(fn, stream, seed, barrier_group))  # noqa: E731
     # Fresh: sizes the towers have not seen (a different stream per mode, the same distribution).
     result["single"] = alone(single_stream, 1000)
@@ -154,18 +157,6 @@ def workload(name: str, model_class, config, video_fraction: float, requests: in
               f"dp {result['dp']['mean_ms']:.2f} ms (p99 {result['dp']['p99_ms']:.2f}); speed-ups "
               + ", ".join(f"{key} {value:.2f}" for key, value in result["speedups"].items()), flush=True)
     return result
-
-
-def run_stream_alone(tower, stream, seed: int) -> list[float]:
-    times = []
-    for index, grid in enumerate(stream):
-        pixels, grid_tensor = bench.make_inputs(grid, seed + index)
-        synchronize()
-        start = time.perf_counter()
-        tower(pixels, grid_tensor)
-        synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return times
 
 
 def main() -> None:

@@ -6,7 +6,8 @@
 Each rank builds the same tiny towers (seeded weights), compiles them with kimi_cg, wraps them with
 ``kimi_cg.data_parallel`` over gloo and runs the same requests: random mixes, fewer items than ranks,
 one large item over the largest bucket, video chunks, a packed-output tower, an invalid item that only
-one rank gets, and ranks handed different requests. Each output is compared with eager on the whole
+one rank gets, ranks handed different requests, and transformers' Qwen2-VL and Kimi-K2.5 towers as
+shipped (their packed pooler_output). Each output is compared with eager on the whole
 request in this process (fp32: 1e-5 relative per item; bf16: kimi_cg.testing's rule, at most 2x
 eager bf16's error against an fp32 copy of the tower, plus a rounding floor); the outputs are saved for the parent test to
 check that every rank returned the same bytes. Any failure exits non-zero with the traceback.
@@ -26,6 +27,7 @@ import kimi_cg
 from kimi_cg.distributed import DataParallelError
 from kimi_cg.testing import compare
 from kimi_cg.models import MoonViT3dConfig, MoonViT3dPretrainedModel, MoonVitConfig, MoonVitPretrainedModel
+from towers.transformers_towers import build_kimi_k25, build_qwen2_vl  # tests/towers (this script's folder)
 
 # The bucketed, padded path on CPU (no capture); an item of 16x16 patches is over the largest bucket.
 OPTIONS = {"cuda_graphs": True, "token_budgets": [64, 128], "buckets_per_doubling": 1}
@@ -136,6 +138,24 @@ def main(rank: int, world_size: int, init_file: str | None, out_dir: str) -> Non
     encode_packed = kimi_cg.data_parallel(packed, item_rows=lambda row: row[0] * row[1] // 4)
     packed_reference = None if reference is None else (lambda pixels, grid: torch.cat(reference(pixels, grid)))
     check("packed_output", encode_packed, packed, [[4, 4], [2, 6], [6, 2]], 30, results, reference_model=packed_reference)
+
+    # transformers' towers as shipped (they return BaseModelOutputWithPooling): the packed pooler_output,
+    # item rows from the tower's own merge attributes (Qwen2-VL: spatial_merge_size; Kimi-K2.5:
+    # merge_kernel_size, frames pooled). Eager towers: data_parallel is independent of the compiler.
+    for name, build_tower, grid in (("qwen2_vl", build_qwen2_vl, [[1, 4, 4], [2, 2, 6], [1, 6, 2]]),
+                                    ("kimi_k25", build_kimi_k25, [[1, 4, 4], [3, 2, 6], [1, 6, 2]])):
+        tower = build_tower()
+        model = tower.model.to(DEVICE, DTYPE)
+        reference_model = build_tower().model.to(DEVICE) if DTYPE != torch.float32 else model  # same seed: same weights
+        pixels, grid_tensor = tower.make_inputs(grid)
+        pixels = pixels.to(DEVICE, DTYPE)
+        encode_transformers = kimi_cg.data_parallel(model, output="pooler_output")
+        got = encode_transformers(pixels, grid_tensor)
+        want = model(pixels, grid_tensor).pooler_output
+        reference = reference_model(pixels.float(), grid_tensor).pooler_output
+        if item_error(got, want, reference) > 1:
+            raise AssertionError(f"transformers {name} {grid}: error {item_error(got, want, reference):.3g}x the rule")
+        results[f"transformers_{name}"] = {"grid": grid, "outputs": [got.cpu()], "plan": encode_transformers.last_plan.shares}
 
     torch.save(results, os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
     print(f"rank {dist.get_rank()}: {len(results)} cases passed on {DEVICE} in {DTYPE}", flush=True)
