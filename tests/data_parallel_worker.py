@@ -148,7 +148,8 @@ def main(rank: int, world_size: int, init_file: str | None, out_dir: str) -> Non
         model = tower.model.to(DEVICE, DTYPE)
         reference_model = build_tower().model.to(DEVICE) if DTYPE != torch.float32 else model  # same seed: same weights
         pixels, grid_tensor = tower.make_inputs(grid)
-        pixels = pixels.to(DEVICE, DTYPE)
+        # The grid on the tower's device: Kimi-K2.5 builds its merge indices on the grid's device.
+        pixels, grid_tensor = pixels.to(DEVICE, DTYPE), grid_tensor.to(DEVICE)
         encode_transformers = kimi_cg.data_parallel(model, output="pooler_output")
         got = encode_transformers(pixels, grid_tensor)
         want = model(pixels, grid_tensor).pooler_output
