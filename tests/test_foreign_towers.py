@@ -235,6 +235,33 @@ OTHER_COMPILES_SCRIPT = textwrap.dedent(
 )
 
 
+def test_a_registered_flash_op_takes_max_seqlen_as_an_upper_bound(monkeypatch):
+    """The upstream flash path passes max_seqlen = (cu[1:] - cu[:-1]).max().item() to an op kimi_cg does
+    not know: its pieces run unlifted. Registered with kimi_cg.register_varlen_attention (as a user would
+    for an unknown op), max_seqlen becomes the packed length and every piece is lifted."""
+    from kimi_cg import varlen_registry
+    from towers.upstream_moonvit import FLASH_STAND_IN
+
+    tower = build_tower(build_upstream_moonvit, "flash_attention_2")
+    inputs = [tower.make_inputs(grid) for grid in GRIDS["upstream_moonvit"]]
+
+    def compile_and_compare() -> dict:
+        torch._dynamo.reset()
+        kimi_cg.reset()
+        compiled = torch.compile(tower.model, backend="kimi_cg")
+        with torch.no_grad():
+            for args in inputs:
+                for got, want in zip(compiled(*args), tower.model(*args), strict=True):
+                    assert relative_error(got, want) <= 1e-5
+        return dict(kimi_cg.fallbacks)
+
+    monkeypatch.setattr(varlen_registry, "_REGISTRY", dict(varlen_registry._REGISTRY))  # restored after the test
+    assert compile_and_compare().get("grid-dependent value reaches a device op", 0) >= 1
+    kimi_cg.register_varlen_attention(FLASH_STAND_IN, {"max_seqlen_q": "q", "max_seqlen_k": "k"})
+    assert compile_and_compare() == {}
+    assert kimi_cg.counters["lift_fallbacks"] == 0 and kimi_cg.counters["host_programs_built"] > 0
+
+
 def test_other_compiles_unaffected_by_kimi_cg():
     result = subprocess.run(
         [sys.executable, "-c", OTHER_COMPILES_SCRIPT],

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import kimi_cg
 from kimi_cg import capture
 from kimi_cg.aliasing import Aliasing, written_arguments
 from kimi_cg.canonicalize import SegmentAttentionPass
@@ -141,3 +142,23 @@ def test_a_mask_written_with_grid_values_is_host_even_when_it_looks_constant():
     assert categories[mask] is Category.HOST
     writes = [node for node in gm.graph.nodes if node.target is operator.setitem]
     assert writes and all(categories[node] is Category.HOST for node in writes)
+
+
+def test_register_varlen_attention_checks_argument_names_against_the_schema(monkeypatch):
+    from kimi_cg import varlen_registry
+
+    monkeypatch.setattr(varlen_registry, "_REGISTRY", dict(varlen_registry._REGISTRY))
+    with pytest.raises(ValueError, match="no argument"):
+        kimi_cg.register_varlen_attention(torch.ops.kimi_cg.varlen_attention, {"max_seqlen_q": "q"})
+    with pytest.raises(ValueError, match="not a torch.library op"):
+        kimi_cg.register_varlen_attention(F.scaled_dot_product_attention, {"max_seqlen": "q"})
+    with pytest.raises(ValueError, match="bounds must map"):
+        kimi_cg.register_varlen_attention("kimi_cg::varlen_attention", {})
+    # kimi_cg's own op, by overload, packet or name: max_seqlen (position 4) bounded by q (position 0).
+    for target in (torch.ops.kimi_cg.varlen_attention.default, torch.ops.kimi_cg.varlen_attention,
+                   "kimi_cg::varlen_attention"):
+        assert varlen_registry.registered_bounds(target) == [(4, "max_seqlen", 0, "q")]
+    assert varlen_registry.registered_bounds(torch.ops.aten.add.Tensor) is None
+    # An op of an absent package (flash-attn here) may be registered by name; it matches nothing.
+    kimi_cg.register_varlen_attention("not_installed::varlen", {"max_len": "q"})
+    assert varlen_registry.registered_bounds("not_installed::varlen") is None

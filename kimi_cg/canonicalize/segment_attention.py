@@ -18,8 +18,10 @@ Two rewrites:
    The dense L x L mask disappears; ``segments_to_cu_seqlens`` checks on the host that the
    segments tile [0, L) back to back (the only masks this rewrite accepts).
 
-2. The varlen op's ``max_seqlen`` computed from grid values (``(cu[1:] - cu[:-1]).max().item()``)
-   becomes the packed length ``q.size(0)``, an upper bound that only depends on L (NOTE [max_seqlen]).
+2. Every upper-bound argument of a registered varlen attention op (kimi_cg's, flash-attn's, torch's
+   varlen_attn, and users' own: kimi_cg/varlen_registry.py) computed from grid values
+   (``(cu[1:] - cu[:-1]).max().item()``) becomes the packed length of the tensor it bounds
+   (``q.size(0)``), an upper bound that only depends on L (NOTE [max_seqlen]).
 
 NOTE [max_seqlen]: flash kernels use max_seqlen to size their launch grid; blocks past a segment's
 end exit early, so any upper bound gives the same result. The CUDA-graph runtime passes the bucket
@@ -37,6 +39,7 @@ import torch.nn.functional as F
 
 from kimi_cg.capture import example_value
 from kimi_cg.canonicalize.base import GraphPass, eliminate_common_scalar_subexpressions
+from kimi_cg.varlen_registry import registered_bounds
 from kimi_cg.errors import UnsupportedGraphError
 from kimi_cg.lift import source_location
 
@@ -90,6 +93,28 @@ def _block_mask_bounds(mask: torch.fx.Node, attention_users: set[torch.fx.Node])
     return bounds, setitems
 
 
+def _argument(node: torch.fx.Node, position: int, name: str):
+    return node.args[position] if position < len(node.args) else node.kwargs.get(name)
+
+
+def _bound_argument(graph: torch.fx.Graph, node: torch.fx.Node, position: int, name: str, tensor_position: int,
+                    tensor_name: str) -> int:
+    """Replace a registered upper-bound argument computed in the graph by ``tensor.size(0)``; 1 if done."""
+    value, tensor = _argument(node, position, name), _argument(node, tensor_position, tensor_name)
+    if not isinstance(value, torch.fx.Node) or value.target is torch.ops.aten.sym_size.int:
+        return 0
+    if not isinstance(tensor, torch.fx.Node) or not isinstance(example_value(tensor), torch.Tensor):
+        return 0
+    with graph.inserting_before(node):
+        bound = graph.call_function(torch.ops.aten.sym_size.int, (tensor, 0))
+    bound.meta["example_value"] = example_value(tensor).shape[0]
+    if position < len(node.args):
+        node.args = node.args[:position] + (bound,) + node.args[position + 1:]
+    else:
+        node.kwargs = {**node.kwargs, name: bound}
+    return 1
+
+
 class SegmentAttentionPass(GraphPass):
     name = "segment_attention"
 
@@ -121,14 +146,9 @@ class SegmentAttentionPass(GraphPass):
                 graph.erase_node(setitem)
             graph.erase_node(mask)
         for node in list(graph.nodes):
-            if node.op == "call_function" and node.target in (_VARLEN, torch.ops.kimi_cg.varlen_attention):
-                max_seqlen = node.args[4]
-                if isinstance(max_seqlen, torch.fx.Node) and max_seqlen.target is not torch.ops.aten.sym_size.int:
-                    with graph.inserting_before(node):
-                        bound = graph.call_function(torch.ops.aten.sym_size.int, (node.args[0], 0))
-                    bound.meta["example_value"] = example_value(node.args[0]).shape[0]
-                    node.args = node.args[:4] + (bound,)
-                    report["max_seqlen_bounded"] += 1
+            bounds = registered_bounds(node.target) if node.op == "call_function" else None
+            for position, name, tensor_position, tensor_name in bounds or ():
+                report["max_seqlen_bounded"] += _bound_argument(graph, node, position, name, tensor_position, tensor_name)
         if report["sdpa_rewritten"]:
             eliminate_common_scalar_subexpressions(graph, extra_pure=(segments_to_cu_seqlens,))
         if report["sdpa_left"]:
