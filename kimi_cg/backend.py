@@ -201,14 +201,17 @@ def _has_dynamic_patch_count(inputs) -> bool:
 
 
 def device_input_kinds(lifted, inputs) -> list[str]:
-    """Where each device-program input comes from: "activation", "state", "size" or "host"."""
+    """Where each device-program input comes from: "activation", "state" (module state), "size",
+    "grid" (a call's integer tensor handed to the device as is) or "host" (made by the host program).
+    A grid is per-call data: never "state", whose captured graphs read the capture-time address."""
     roles = {item.index: item.role for item in inputs}
     kinds = []
     for ref in lifted.device.inputs:
         if ref.program != "arg":
             kinds.append("host")
         else:
-            kinds.append({capture.InputRole.ACTIVATION: "activation", capture.InputRole.SIZE: "size"}.get(roles[ref.index], "state"))
+            kinds.append({capture.InputRole.ACTIVATION: "activation", capture.InputRole.SIZE: "size",
+                          capture.InputRole.GRID: "grid"}.get(roles[ref.index], "state"))
     return kinds
 
 

@@ -8,15 +8,19 @@ SegmentAttentionPass replaces every declared bound with the packed length of the
 
 Known ops (by qualified name, so an op whose package is absent costs nothing):
 
-=====================================  ==========================================
-``kimi_cg::varlen_attention``          ``max_seqlen`` <= rows of ``q``
-``flash_attn::_flash_attn_varlen_forward``  ``max_seqlen_q`` <= ``q``, ``max_seqlen_k`` <= ``k``
-``torch_attn::_varlen_attn``           ``max_q`` <= ``query``, ``max_k`` <= ``key``
-=====================================  ==========================================
+==========================================  ==============================================  ==========================
+op                                          bounds (argument <= rows of tensor)             segment boundaries
+==========================================  ==============================================  ==========================
+``kimi_cg::varlen_attention``               ``max_seqlen`` <= ``q``                         ``cu_seqlens``
+``flash_attn::_flash_attn_varlen_forward``  ``max_seqlen_q`` <= ``q``, ``max_seqlen_k`` <= ``k``  ``cu_seqlens_q``, ``cu_seqlens_k``
+``torch_attn::_varlen_attn``                ``max_q`` <= ``query``, ``max_k`` <= ``key``    ``cu_seq_q``, ``cu_seq_k``
+==========================================  ==============================================  ==========================
 
-Users add their own: ``kimi_cg.register_varlen_attention(op, {"max_seqlen_q": "q", ...})``. Declaring an
-argument a bound is a promise that the op's result does not change when that argument grows; kimi_cg
-cannot check it.
+The segment boundaries get the CUDA-graph runtime's ``cu_seqlens`` padding rule (NOTE [padding
+rules] in runtime/graphs.py: the padded rows form one trailing segment, so the kernel computes them).
+Users add their own: ``kimi_cg.register_varlen_attention(op, {"max_seqlen_q": "q", ...},
+segments=("cu_seqlens_q", "cu_seqlens_k"))``. Declaring an argument a bound is a promise that the op's
+result does not change when that argument grows; kimi_cg cannot check it.
 """
 
 from __future__ import annotations
@@ -29,17 +33,20 @@ import torch
 logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
-# qualified op name ("namespace::name") -> {bound argument name: tensor argument name whose dim 0 bounds it}
-_REGISTRY: dict[str, dict[str, str]] = {
-    "kimi_cg::varlen_attention": {"max_seqlen": "q"},
-    "flash_attn::_flash_attn_varlen_forward": {"max_seqlen_q": "q", "max_seqlen_k": "k"},
-    "torch_attn::_varlen_attn": {"max_q": "query", "max_k": "key"},
+# qualified op name ("namespace::name") -> ({bound argument: tensor argument whose dim 0 bounds it},
+#                                            segment-boundary (cu_seqlens) arguments)
+_REGISTRY: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
+    "kimi_cg::varlen_attention": ({"max_seqlen": "q"}, ("cu_seqlens",)),
+    "flash_attn::_flash_attn_varlen_forward": ({"max_seqlen_q": "q", "max_seqlen_k": "k"}, ("cu_seqlens_q", "cu_seqlens_k")),
+    "torch_attn::_varlen_attn": ({"max_q": "query", "max_k": "key"}, ("cu_seq_q", "cu_seq_k")),
 }
 
 
-def register_varlen_attention(op, bounds: dict[str, str]) -> None:
+def register_varlen_attention(op, bounds: dict[str, str], segments: tuple[str, ...] | list[str]) -> None:
     """Declare ``op`` a varlen attention whose arguments named in ``bounds`` are upper bounds on a
-    segment length, each bounded by dim 0 of the tensor argument it maps to.
+    segment length, each bounded by dim 0 of the tensor argument it maps to, and whose ``segments``
+    arguments are cumulative segment boundaries (int32 ``cu_seqlens``: padded by the CUDA-graph
+    runtime with one trailing segment over the padding rows).
 
     ``op``: a ``torch.ops`` overload or packet, a ``torch.library.custom_op`` object, or its qualified
     name ``"namespace::name"``. Raises ValueError when an argument name is not in the op's schema
@@ -50,13 +57,15 @@ def register_varlen_attention(op, bounds: dict[str, str]) -> None:
     if not isinstance(bounds, dict) or not bounds or not all(isinstance(k, str) and isinstance(v, str)
                                                              for k, v in bounds.items()):
         raise ValueError(f"bounds must map bound argument names to tensor argument names, got {bounds!r}")
+    if isinstance(segments, str) or not segments or not all(isinstance(n, str) for n in segments):
+        raise ValueError(f"segments must name the op's cu_seqlens arguments, got {segments!r}")
     schema_names = _argument_names(name)
     if schema_names is not None:
-        missing = sorted({*bounds, *bounds.values()} - set(schema_names))
+        missing = sorted({*bounds, *bounds.values(), *segments} - set(schema_names))
         if missing:
             raise ValueError(f"{name} has no argument(s) {missing}; its arguments: {schema_names}")
     with _lock:
-        _REGISTRY[name] = dict(bounds)
+        _REGISTRY[name] = (dict(bounds), tuple(segments))
 
 
 def registered_bounds(target) -> list[tuple[int, str, int, str]] | None:
@@ -66,7 +75,7 @@ def registered_bounds(target) -> list[tuple[int, str, int, str]] | None:
     if name is None:
         return None
     with _lock:
-        bounds = _REGISTRY.get(name)
+        bounds = _REGISTRY.get(name, (None,))[0]
     if bounds is None:
         return None
     names = _argument_names(name)
@@ -79,6 +88,15 @@ def registered_bounds(target) -> list[tuple[int, str, int, str]] | None:
         else:
             logger.debug("kimi_cg: %s has no argument %s or %s in this torch version", name, bound, tensor)
     return positions
+
+
+def registered_segments(target) -> list[tuple[int, str]]:
+    """(position, name) of a registered varlen attention's segment-boundary arguments ([] otherwise)."""
+    name = qualified_name(target)
+    with _lock:
+        segments = _REGISTRY.get(name, (None, ()))[1] if name is not None else ()
+    names = _argument_names(name) if segments else None
+    return [(names.index(segment), segment) for segment in segments if segment in names] if names else []
 
 
 def qualified_name(op) -> str | None:

@@ -245,10 +245,10 @@ def test_a_registered_flash_op_takes_max_seqlen_as_an_upper_bound(monkeypatch):
     tower = build_tower(build_upstream_moonvit, "flash_attention_2")
     inputs = [tower.make_inputs(grid) for grid in GRIDS["upstream_moonvit"]]
 
-    def compile_and_compare() -> dict:
+    def compile_and_compare(options=None) -> dict:
         torch._dynamo.reset()
         kimi_cg.reset()
-        compiled = torch.compile(tower.model, backend="kimi_cg")
+        compiled = torch.compile(tower.model, backend="kimi_cg", options=options)
         with torch.no_grad():
             for args in inputs:
                 for got, want in zip(compiled(*args), tower.model(*args), strict=True):
@@ -257,9 +257,14 @@ def test_a_registered_flash_op_takes_max_seqlen_as_an_upper_bound(monkeypatch):
 
     monkeypatch.setattr(varlen_registry, "_REGISTRY", dict(varlen_registry._REGISTRY))  # restored after the test
     assert compile_and_compare().get("grid-dependent value reaches a device op", 0) >= 1
-    kimi_cg.register_varlen_attention(FLASH_STAND_IN, {"max_seqlen_q": "q", "max_seqlen_k": "k"})
+    kimi_cg.register_varlen_attention(FLASH_STAND_IN, {"max_seqlen_q": "q", "max_seqlen_k": "k"},
+                                      segments=("cu_seqlens_q", "cu_seqlens_k"))
     assert compile_and_compare() == {}
     assert kimi_cg.counters["lift_fallbacks"] == 0 and kimi_cg.counters["host_programs_built"] > 0
+    # Bucketed (the CUDA-graph path, padded on CPU): the op's cu_seqlens get the padding segment, so the
+    # stand-in (which checks that its boundaries cover every row) runs every call lifted.
+    assert compile_and_compare({"cuda_graphs": True, "token_budgets": [64, 128]}) == {}
+    assert kimi_cg.counters["call_fallbacks"] == 0
 
 
 def test_other_compiles_unaffected_by_kimi_cg():

@@ -149,16 +149,21 @@ def test_register_varlen_attention_checks_argument_names_against_the_schema(monk
 
     monkeypatch.setattr(varlen_registry, "_REGISTRY", dict(varlen_registry._REGISTRY))
     with pytest.raises(ValueError, match="no argument"):
-        kimi_cg.register_varlen_attention(torch.ops.kimi_cg.varlen_attention, {"max_seqlen_q": "q"})
+        kimi_cg.register_varlen_attention(torch.ops.kimi_cg.varlen_attention, {"max_seqlen_q": "q"}, ["cu_seqlens"])
+    with pytest.raises(ValueError, match="no argument"):
+        kimi_cg.register_varlen_attention(torch.ops.kimi_cg.varlen_attention, {"max_seqlen": "q"}, ["cu"])
     with pytest.raises(ValueError, match="not a torch.library op"):
-        kimi_cg.register_varlen_attention(F.scaled_dot_product_attention, {"max_seqlen": "q"})
+        kimi_cg.register_varlen_attention(F.scaled_dot_product_attention, {"max_seqlen": "q"}, ["cu_seqlens"])
     with pytest.raises(ValueError, match="bounds must map"):
-        kimi_cg.register_varlen_attention("kimi_cg::varlen_attention", {})
+        kimi_cg.register_varlen_attention("kimi_cg::varlen_attention", {}, ["cu_seqlens"])
+    with pytest.raises(ValueError, match="segments must name"):
+        kimi_cg.register_varlen_attention("kimi_cg::varlen_attention", {"max_seqlen": "q"}, "cu_seqlens")
     # kimi_cg's own op, by overload, packet or name: max_seqlen (position 4) bounded by q (position 0).
     for target in (torch.ops.kimi_cg.varlen_attention.default, torch.ops.kimi_cg.varlen_attention,
                    "kimi_cg::varlen_attention"):
         assert varlen_registry.registered_bounds(target) == [(4, "max_seqlen", 0, "q")]
+        assert varlen_registry.registered_segments(target) == [(3, "cu_seqlens")]
     assert varlen_registry.registered_bounds(torch.ops.aten.add.Tensor) is None
     # An op of an absent package (flash-attn here) may be registered by name; it matches nothing.
-    kimi_cg.register_varlen_attention("not_installed::varlen", {"max_len": "q"})
+    kimi_cg.register_varlen_attention("not_installed::varlen", {"max_len": "q"}, ["cu"])
     assert varlen_registry.registered_bounds("not_installed::varlen") is None

@@ -174,3 +174,45 @@ def test_split_packs_sorted_items_and_restores_call_order(build, grid, monkeypat
             assert_matches_eager(compiled, model, g, seed)
     assert kimi_cg.counters["split_calls"] == 1
     assert runs == [2048, 2048]
+
+
+class GridIntoVarlenOp(torch.nn.Module):
+    """A call's cu_seqlens (an integer input, per call) handed as is to a varlen attention op."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, x, cu_seqlens):
+        q = self.proj(x).view(-1, 1, 16)
+        return torch.ops.kimi_cg_test.flash_attn_varlen_fwd(q, q, q, cu_seqlens, cu_seqlens, x.shape[0], x.shape[0]).flatten(1)
+
+
+@pytest.mark.parametrize("registered", [False, True], ids=["unknown_op", "registered_op"])
+def test_a_grid_handed_to_a_device_op_is_never_a_static_input(registered, tmp_path, monkeypatch):
+    """A captured graph reads a static input at its capture-time address: a per-call grid given that
+    rule would replay with another call's values. It is padded as segment boundaries when it is a
+    registered varlen attention's, else those calls run the plain program; outputs always match eager."""
+    import json
+
+    from kimi_cg import varlen_registry
+    from kimi_cg.debug.dump import read_index
+    from towers.upstream_moonvit import FLASH_STAND_IN
+
+    monkeypatch.setattr(varlen_registry, "_REGISTRY", dict(varlen_registry._REGISTRY))
+    if registered:
+        kimi_cg.register_varlen_attention(FLASH_STAND_IN, {"max_seqlen_q": "q", "max_seqlen_k": "k"},
+                                          segments=("cu_seqlens_q", "cu_seqlens_k"))
+    torch.manual_seed(0)
+    model = GridIntoVarlenOp().eval()
+    compiled = torch.compile(model, backend="kimi_cg", dynamic=True,
+                             options={"cuda_graphs": True, "token_budgets": [64], "debug_dir": str(tmp_path)})
+    for lengths in ([5, 7], [3, 9, 4], [10, 2]):
+        cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        x = torch.randn(sum(lengths), 16)
+        torch.testing.assert_close(compiled(x, cu_seqlens), model(x, cu_seqlens), rtol=1e-5, atol=1e-5)
+    graph = next(g for g in read_index(str(tmp_path)) if g["status"] == "lifted")
+    report = json.loads((tmp_path / graph["path"] / "lift_report.json").read_text())
+    (grid_input,) = [entry for entry in report["device_inputs"] if entry["kind"] == "grid"]
+    assert grid_input["padding_rule"] == ("cu_seqlens" if registered else "unpadded")
+    assert kimi_cg.counters["lift_fallbacks"] == kimi_cg.counters["call_fallbacks"] == 0

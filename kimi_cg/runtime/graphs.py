@@ -5,7 +5,8 @@ A bucket of capacity C (patches) owns static inputs sized for C. A call with L <
 its inputs in and pads:
 - activation rows and row-aligned host metadata (position embeddings, RoPE factors): rows L..C-1
   are zero;
-- ``cu_seqlens`` (every varlen segmentation input): the real boundaries, then one trailing segment
+- ``cu_seqlens`` (the segment boundaries of any registered varlen attention, kimi_cg/varlen_registry.py):
+  the real boundaries, then one trailing segment
   [L, C) that covers the padding rows, then empty segments up to the static length. Every row of
   the bucket is therefore attended and finite, even when the graph pool holds stale NaNs from
   earlier work: padded rows never read uninitialised memory;
@@ -35,12 +36,12 @@ import kimi_cg.ops  # noqa: F401  (registers torch.ops.kimi_cg.*)
 from kimi_cg.counters import counters, timings
 from kimi_cg.device_program import DeviceProgram
 from kimi_cg.fallback import record_fallback
+from kimi_cg.varlen_registry import registered_segments
 
 logger = logging.getLogger(__name__)
 
 _MERGE_GATHER = torch.ops.kimi_cg.merge_gather
 _MERGE_GATHER_LAYERNORM = torch.ops.kimi_cg.merge_gather_layernorm
-_VARLEN = torch.ops.kimi_cg.varlen_attention
 
 
 def _packet(target):
@@ -55,7 +56,7 @@ class InputRule:
 
 def input_rules(program: DeviceProgram, kinds: list[str]) -> list[InputRule]:
     """Padding rule per device-program input; ``kinds`` says where each comes from
-    ("activation", "state", "size", "host")."""
+    ("activation", "state", "size", "grid", "host": backend.device_input_kinds)."""
     placeholders = [n for n in program.gm.graph.nodes if n.op == "placeholder"]
     rules = []
     for node, kind in zip(placeholders, kinds):
@@ -65,13 +66,18 @@ def input_rules(program: DeviceProgram, kinds: list[str]) -> list[InputRule]:
             rules.append(InputRule("static"))
         elif kind == "size":
             rules.append(InputRule("size"))
+        elif kind == "grid":
+            # A call's integer tensor consumed by a device op as is: padded as segment boundaries when
+            # it is some varlen attention's, else the call runs the plain program (never replayed
+            # with another call's values).
+            rules.append(InputRule("cu_seqlens" if _is_segment_boundary(node) else "unpadded"))
         else:
             uses = {(_packet(user.target), user.args.index(node)) for user in node.users if node in user.args}
             if (_MERGE_GATHER, 1) in uses or (_MERGE_GATHER_LAYERNORM, 1) in uses:
                 rules.append(InputRule("plan_index"))
             elif (_MERGE_GATHER, 2) in uses or (_MERGE_GATHER_LAYERNORM, 2) in uses:
                 rules.append(InputRule("plan_weight"))
-            elif (_VARLEN, 3) in uses:
+            elif _is_segment_boundary(node):
                 rules.append(InputRule("cu_seqlens"))
             elif _has_symbolic_trailing_dims(node):
                 # e.g. a dense [L, L] mask or bias made on the host: padding its rows alone would not
@@ -80,6 +86,17 @@ def input_rules(program: DeviceProgram, kinds: list[str]) -> list[InputRule]:
             else:
                 rules.append(InputRule("rows"))
     return rules
+
+
+def _is_segment_boundary(node: torch.fx.Node) -> bool:
+    """The node feeds a registered varlen attention as its segment boundaries (kimi_cg/varlen_registry.py)."""
+    for user in node.users:
+        if user.op != "call_function":
+            continue
+        for position, name in registered_segments(user.target):
+            if (user.args[position] if position < len(user.args) else user.kwargs.get(name)) is node:
+                return True
+    return False
 
 
 def _has_symbolic_trailing_dims(node: torch.fx.Node) -> bool:
