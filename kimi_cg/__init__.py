@@ -9,13 +9,13 @@ says what kimi_cg holds and ``kimi_cg.set_memory_budget`` bounds its host metada
 ``kimi_cg.register_varlen_attention`` declares a varlen attention op's upper-bound arguments. See README.md and docs/design.md.
 """
 
-from kimi_cg.varlen_registry import register_varlen_attention
 from kimi_cg.config import validate_options
 from kimi_cg.counters import counters, reset, timings
 from kimi_cg.distributed import DataParallelError, data_parallel
 from kimi_cg.errors import InvalidInputError, KimiCGError, UnsupportedGraphError
 from kimi_cg.fallback import fallbacks
 from kimi_cg.runtime.memory import memory_report, set_memory_budget
+from kimi_cg.varlen_registry import register_varlen_attention
 from kimi_cg.warmup import warm_up
 
 __version__ = "0.1.0"

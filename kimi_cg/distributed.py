@@ -61,7 +61,7 @@ MAX_DIMS = 6  # the most dimensions an item's output may have (the fixed width p
 # Output dtypes step 3 can name (by index); anything else is a local failure with a clear message.
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool)
-_SUMMARY_FIELDS = 4  # status, fingerprint, items, output kind
+_SUMMARY_FIELDS = 3  # status, fingerprint, output kind
 _ITEM_FIELDS = 2 + MAX_DIMS  # dtype, ndim, dims
 _OK, _FAILED = 0, 1
 _ALIGN = 16  # bytes: each item's slot in the gathered buffer starts at a multiple
@@ -171,23 +171,20 @@ class DataParallelTower:
             return self._select(self.tower(pixel_values, grid, *args, **kwargs))
         plan, local, shapes, cause, fingerprint = None, ([], None), None, None, 0
         try:
-            fingerprint = _fingerprint(pixel_values, grid)
-            rows, plan = self._plan(pixel_values, grid)
-            local = self._run_share(pixel_values, grid, rows, plan.shares[self.rank], args, kwargs)
+            grid_rows = _grid_rows(grid)  # one host read of the grid: plan, fingerprint and item rows
+            fingerprint = _fingerprint(pixel_values, grid_rows)
+            rows, plan = self._plan(pixel_values, grid_rows)
+            local = self._run_share(pixel_values, grid, grid_rows, rows, plan.shares[self.rank], args, kwargs)
             shapes = self._shapes(plan, local)
         except Exception as error:  # agreed on below: every rank raises, none hangs
             cause = error
-        summaries = self._agree(plan, local, fingerprint, cause)
-        headers = self._exchange_shapes(shapes, plan, summaries)
+        kind = self._agree(local, fingerprint, cause)
+        fields = self._exchange_shapes(shapes)
         self.last_plan = plan
-        return self._gather_outputs(plan, headers, local)
+        return self._gather_outputs(plan, fields, kind, local)
 
     # -- steps 1-2: plan and local run -------------------------------------------------------------
-    def _plan(self, pixel_values: torch.Tensor, grid: torch.Tensor):
-        if not isinstance(grid, torch.Tensor) or grid.dim() != 2 or grid.is_floating_point():
-            raise ValueError(f"grid must be an integer tensor [items, dims], got "
-                             f"{getattr(grid, 'dtype', type(grid).__name__)} {tuple(getattr(grid, 'shape', ()))}")
-        grid_rows = [tuple(int(v) for v in row) for row in grid.tolist()]
+    def _plan(self, pixel_values: torch.Tensor, grid_rows: list[tuple[int, ...]]):
         if not grid_rows:
             raise ValueError("the request has no items (grid has 0 rows)")
         rows = [int(self.pixel_rows(row)) for row in grid_rows]
@@ -196,7 +193,7 @@ class DataParallelTower:
                              f"{sum(rows)} (one row per patch: the product of each grid row)")
         return rows, plan_items([self.cost(row) for row in grid_rows], self.world_size)
 
-    def _run_share(self, pixel_values, grid, rows, share, args, kwargs):
+    def _run_share(self, pixel_values, grid, grid_rows, rows, share, args, kwargs):
         """The tower on this rank's items; returns (per-item tensors, output kind)."""
         if not share:
             return [], None
@@ -209,17 +206,17 @@ class DataParallelTower:
             pixels = torch.cat([pixel_values[starts[i]:starts[i + 1]] for i in share])
             sub_grid = grid[list(share)]
         output = self._select(self.tower(pixels, sub_grid, *args, **kwargs))
-        grid_rows = [tuple(int(v) for v in sub_grid[j].tolist()) for j in range(len(share))]
         if isinstance(output, (list, tuple)):
             if len(output) != len(share) or not all(isinstance(item, torch.Tensor) for item in output):
                 raise TypeError(f"the tower returned a {type(output).__name__} of {len(output)} entries for "
                                 f"{len(share)} items; data_parallel needs one tensor per item (or one packed tensor)")
             return list(output), _TUPLE if isinstance(output, tuple) else _LIST
         if isinstance(output, torch.Tensor):
-            counts = [self._item_rows(row) for row in grid_rows]
+            counts = [self._item_rows(grid_rows[i]) for i in share]
             if sum(counts) != output.shape[0]:
                 raise ValueError(f"the tower's packed output has {output.shape[0]} rows but item_rows gives "
-                                 f"{sum(counts)} for the items {grid_rows}: pass item_rows= that matches the tower")
+                                 f"{sum(counts)} for the items {[grid_rows[i] for i in share]}: pass item_rows= "
+                                 "that matches the tower")
             return list(torch.split(output, counts)), _PACKED
         raise TypeError(f"the tower returned {type(output).__name__}; data_parallel gathers one tensor per item or "
                         "one packed tensor: name the field to gather, e.g. data_parallel(tower, output='pooler_output')")
@@ -256,20 +253,20 @@ class DataParallelTower:
             shapes[at:at + 2 + item.dim()] = torch.tensor([_DTYPES.index(item.dtype), item.dim(), *item.shape])
         return shapes
 
-    def _agree(self, plan: Plan | None, local, fingerprint: int, cause: BaseException | None) -> list[list[int]]:
-        """A fixed-size summary per rank (status, request fingerprint, items, output kind): every rank
-        raises the same DataParallelError unless all succeeded on the same request."""
+    def _agree(self, local, fingerprint: int, cause: BaseException | None) -> int:
+        """A fixed-size summary per rank (status, request fingerprint, output structure): every rank
+        raises the same DataParallelError unless all succeeded on the same request. Returns the
+        agreed output structure."""
         _, kind = local
-        summary = torch.tensor([_FAILED if cause is not None else _OK, fingerprint,
-                                len(plan.shares[self.rank]) if plan is not None else 0, -1 if kind is None else kind])
+        summary = torch.tensor([_FAILED if cause is not None else _OK, fingerprint, -1 if kind is None else kind])
         gathered = [torch.empty(_SUMMARY_FIELDS, dtype=torch.int64) for _ in range(self.world_size)]
         dist.all_gather(gathered, summary, group=self.agreement_group)
         summaries = [h.tolist() for h in gathered]
         failed = [r for r, h in enumerate(summaries) if h[0] != _OK]
         fingerprints = {h[1] for h in summaries}
-        kinds = {h[3] for h in summaries if h[3] >= 0}
+        kinds = {h[2] for h in summaries if h[2] >= 0}
         if not failed and len(fingerprints) == 1 and len(kinds) == 1:
-            return summaries
+            return kinds.pop()
         # Every rank reaches this point together: exchange the messages, then all raise.
         message = "" if cause is None else f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
         messages: list = [None] * self.world_size
@@ -285,20 +282,20 @@ class DataParallelTower:
             reason = "the ranks' towers returned different output structures (list, tuple, packed tensor)"
         raise DataParallelError(reason, errors) from cause
 
-    def _exchange_shapes(self, shapes: torch.Tensor, plan: Plan, summaries: list[list[int]]) -> list[torch.Tensor]:
+    def _exchange_shapes(self, shapes: torch.Tensor) -> list[torch.Tensor]:
         """Each rank's items' output dtypes and shapes. Runs only once every rank agreed, so every
         rank planned the same request and the widths match."""
         gathered = [torch.empty_like(shapes) for _ in range(self.world_size)]
         dist.all_gather(gathered, shapes, group=self.agreement_group)
-        return [(summary[2], summary[3], h) for summary, h in zip(summaries, gathered)]
+        return gathered
 
     # -- step 4: outputs ---------------------------------------------------------------------------
-    def _gather_outputs(self, plan: Plan, headers: list[torch.Tensor], local):
+    def _gather_outputs(self, plan: Plan, shape_fields: list[torch.Tensor], kind: int, local):
         items, _ = local
         shapes, dtypes, nbytes = [], [], []  # per rank, per item in share order
-        for count, _, fields in headers:
+        for share, fields in zip(plan.shares, shape_fields):
             rank_shapes, rank_dtypes = [], []
-            for j in range(count):
+            for j in range(len(share)):
                 at = j * _ITEM_FIELDS
                 dtype, ndim = _DTYPES[int(fields[at])], int(fields[at + 1])
                 rank_shapes.append(tuple(int(d) for d in fields[at + 2:at + 2 + ndim]))
@@ -306,7 +303,6 @@ class DataParallelTower:
             shapes.append(rank_shapes)
             dtypes.append(rank_dtypes)
             nbytes.append([math.prod(s) * d.itemsize for s, d in zip(rank_shapes, rank_dtypes)])
-        kind = next(k for _, k, _ in headers if k >= 0)
         # Each item in a slot aligned to _ALIGN bytes, so any dtype's view of it is aligned.
         width = max(sum(_aligned(size) for size in sizes) for sizes in nbytes)
         device = items[0].device if items else self._output_device()
@@ -342,9 +338,16 @@ def _aligned(size: int) -> int:
     return -(-size // _ALIGN) * _ALIGN
 
 
-def _fingerprint(pixel_values: torch.Tensor, grid: torch.Tensor) -> int:
+def _grid_rows(grid) -> list[tuple[int, ...]]:
+    if not isinstance(grid, torch.Tensor) or grid.dim() != 2 or grid.is_floating_point():
+        raise ValueError(f"grid must be an integer tensor [items, dims], got "
+                         f"{getattr(grid, 'dtype', type(grid).__name__)} {tuple(getattr(grid, 'shape', ()))}")
+    return [tuple(row) for row in grid.tolist()]
+
+
+def _fingerprint(pixel_values: torch.Tensor, grid_rows: list[tuple[int, ...]]) -> int:
     """A checksum of the request's shape and grid: ranks handed different requests disagree on it."""
-    text = f"{tuple(pixel_values.shape)}|{pixel_values.dtype}|{grid.tolist()}"
+    text = f"{tuple(pixel_values.shape)}|{pixel_values.dtype}|{grid_rows}"
     return zlib.crc32(text.encode())
 
 

@@ -99,6 +99,11 @@ def registered_segments(target) -> list[tuple[int, str]]:
     return [(names.index(segment), segment) for segment in segments if segment in names] if names else []
 
 
+def argument(node, position: int, name: str):
+    """A call node's argument, given positionally or by keyword."""
+    return node.args[position] if position < len(node.args) else node.kwargs.get(name)
+
+
 def qualified_name(op) -> str | None:
     """``"namespace::name"`` of an op overload, packet, custom op object or string; None otherwise."""
     if isinstance(op, str):

@@ -39,9 +39,9 @@ import torch.nn.functional as F
 
 from kimi_cg.capture import example_value
 from kimi_cg.canonicalize.base import GraphPass, eliminate_common_scalar_subexpressions
-from kimi_cg.varlen_registry import registered_bounds
 from kimi_cg.errors import UnsupportedGraphError
 from kimi_cg.lift import source_location
+from kimi_cg.varlen_registry import argument, registered_bounds
 
 logger = logging.getLogger(__name__)
 
@@ -93,14 +93,10 @@ def _block_mask_bounds(mask: torch.fx.Node, attention_users: set[torch.fx.Node])
     return bounds, setitems
 
 
-def _argument(node: torch.fx.Node, position: int, name: str):
-    return node.args[position] if position < len(node.args) else node.kwargs.get(name)
-
-
 def _bound_argument(graph: torch.fx.Graph, node: torch.fx.Node, position: int, name: str, tensor_position: int,
                     tensor_name: str) -> int:
     """Replace a registered upper-bound argument computed in the graph by ``tensor.size(0)``; 1 if done."""
-    value, tensor = _argument(node, position, name), _argument(node, tensor_position, tensor_name)
+    value, tensor = argument(node, position, name), argument(node, tensor_position, tensor_name)
     if not isinstance(value, torch.fx.Node) or value.target is torch.ops.aten.sym_size.int:
         return 0
     if not isinstance(tensor, torch.fx.Node) or not isinstance(example_value(tensor), torch.Tensor):

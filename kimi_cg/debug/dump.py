@@ -180,18 +180,9 @@ class GraphDump:
     def failed(self, error: BaseException, reason: str, where: str, repro: Callable[[], str | None] | None = None) -> str | None:
         """Record why lifting failed (error.txt) and, when the graph can be written down, a repro.py
         that raises the same error; returns the path of the error record (None when not dumping)."""
-        text = f"{reason} at {where}\n\n" + "".join(traceback.format_exception(type(error), error, error.__traceback__))
-        self.file("error.txt", lambda: text)
-        if repro is not None and self.folder is not None:
-            try:
-                script = repro()
-            except Exception as repro_error:  # noqa: BLE001 - a debugging aid must never change what runs
-                script = None
-                text += f"\n(no repro.py: {type(repro_error).__name__}: {repro_error})"
-            if script is not None:
-                self.file("repro.py", lambda: script)
+        path = self._error_record("error.txt", f"{reason} at {where}\n\n", error, "repro.py", repro)
         self.update(status="fell back (runs unlifted)", reason=reason, where=where)
-        return os.path.join(self.folder, "error.txt") if self.folder else None
+        return path
 
     def call_failed(self, error: BaseException, reason: str, where: str, grid: Any = None,
                     repro: Callable[[], str | None] | None = None) -> str | None:
@@ -203,20 +194,30 @@ class GraphDump:
             fallbacks = self.entry.setdefault("call_fallbacks", {})
             first = not fallbacks
             fallbacks[reason] = fallbacks.get(reason, 0) + 1
+        path = os.path.join(self.folder, "call_error.txt") if self.folder else None
         if first:
-            text = (f"{reason} at {where}\ngrid of the call: {grid}\n\n"
-                    + "".join(traceback.format_exception(type(error), error, error.__traceback__)))
-            self.file("call_error.txt", lambda: text)
-            if repro is not None and self.folder is not None:
-                try:
-                    script = repro()
-                except Exception:  # noqa: BLE001 - a debugging aid must never change what runs
-                    script = None
-                if script is not None:
-                    self.file("call_repro.py", lambda: script)
+            path = self._error_record("call_error.txt", f"{reason} at {where}\ngrid of the call: {grid}\n\n", error,
+                                      "call_repro.py", repro)
         if self.run is not None:
             self.run.write_index()
-        return os.path.join(self.folder, "call_error.txt") if self.folder else None
+        return path
+
+    def _error_record(self, file_name: str, heading: str, error: BaseException, repro_name: str,
+                      repro: Callable[[], str | None] | None) -> str | None:
+        """``file_name``: the heading and the error's traceback; ``repro_name``: the script ``repro``
+        writes, when it can (why not, otherwise, at the end of the error record). Returns the error
+        record's path (None when not dumping)."""
+        text = heading + "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        if repro is not None and self.folder is not None:
+            try:
+                script = repro()
+            except Exception as repro_error:  # noqa: BLE001 - a debugging aid must never change what runs
+                script = None
+                text += f"\n(no {repro_name}: {type(repro_error).__name__}: {repro_error})"
+            if script is not None:
+                self.file(repro_name, lambda: script)
+        self.file(file_name, lambda: text)
+        return os.path.join(self.folder, file_name) if self.folder else None
 
     def _emit(self, file_name: str, name: str, payload: str) -> None:
         torch._logging.trace_structured(

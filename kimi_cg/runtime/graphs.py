@@ -36,7 +36,7 @@ import kimi_cg.ops  # noqa: F401  (registers torch.ops.kimi_cg.*)
 from kimi_cg.counters import counters, timings
 from kimi_cg.device_program import DeviceProgram
 from kimi_cg.fallback import record_fallback
-from kimi_cg.varlen_registry import registered_segments
+from kimi_cg.varlen_registry import argument, registered_segments
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ def _is_segment_boundary(node: torch.fx.Node) -> bool:
         if user.op != "call_function":
             continue
         for position, name in registered_segments(user.target):
-            if (user.args[position] if position < len(user.args) else user.kwargs.get(name)) is node:
+            if argument(user, position, name) is node:
                 return True
     return False
 
