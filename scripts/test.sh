@@ -12,4 +12,14 @@ if [ "$workers" != "0" ] && python -c "import xdist" >/dev/null 2>&1; then
 else
   parallel=()
 fi
-python -m pytest -q -p no:cacheprovider "${parallel[@]}" tests "$@"
+if [ ${#parallel[@]} -eq 0 ]; then
+  exec python -m pytest -q -p no:cacheprovider tests "$@"
+fi
+# Tests marked `alone` time themselves against a wall clock: they run afterwards, by themselves.
+# Exit status 5 means "nothing selected" (e.g. a -k that matches only one of the two parts).
+for part in "not alone" "alone"; do
+  if [ "$part" = "alone" ]; then parallel=(); fi
+  status=0
+  python -m pytest -q -p no:cacheprovider "${parallel[@]}" -m "$part" tests "$@" || status=$?
+  if [ "$status" -ne 0 ] && [ "$status" -ne 5 ]; then exit "$status"; fi
+done

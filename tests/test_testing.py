@@ -225,6 +225,7 @@ def test_bad_arguments_are_rejected():
         assert_matches_eager(model, model, pixel_inputs("cpu", torch.float32), dtype=torch.int8)
 
 
+@pytest.mark.alone
 def test_command_line_fuzzes_the_tiny_tower_in_under_a_minute():
     start = time.perf_counter()
     result = subprocess.run([sys.executable, "-m", "kimi_cg.testing", "kimi_cg.testing.targets:moonvit", "--examples", "50"],
