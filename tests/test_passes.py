@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import kimi_cg
 from kimi_cg import capture
+from kimi_cg.capture import example_value
 from kimi_cg.aliasing import Aliasing, written_arguments
 from kimi_cg.canonicalize import SegmentAttentionPass
 from kimi_cg.dynamo_settings import DYNAMO_SETTINGS
@@ -19,7 +20,7 @@ from kimi_cg.lift import Category, classify
 VARLEN = torch.ops.kimi_cg.varlen_attention.default
 
 
-def capture_graph(fn, *args) -> torch.fx.GraphModule:
+def capture_graph(fn, *args, dynamic=None) -> torch.fx.GraphModule:
     """The graph dynamo hands a backend for fn, traced with kimi_cg's settings (one graph)."""
     graphs = []
 
@@ -29,7 +30,7 @@ def capture_graph(fn, *args) -> torch.fx.GraphModule:
 
     torch._dynamo.reset()
     with torch._dynamo.config.patch(**DYNAMO_SETTINGS):
-        torch.compile(fn, backend=keep, fullgraph=True)(*args)
+        torch.compile(fn, backend=keep, fullgraph=True, dynamic=dynamic)(*args)
     assert len(graphs) == 1
     return graphs[0]
 
@@ -80,22 +81,172 @@ def _inputs():
     return torch.randn(8, 8), grid
 
 
-def test_segment_attention_rewrites_a_block_mask_to_the_varlen_op():
-    gm = capture_graph(block_attention, *_inputs())
+@pytest.mark.parametrize("fn", [block_attention, scaled_block_attention])
+def test_segment_attention_rewrites_a_block_mask_to_the_varlen_op(fn):
+    x, grid = _inputs()
+    gm = capture_graph(fn, x, grid)
     assert count(gm, F.scaled_dot_product_attention) == 1 and count(gm, operator.setitem) == 2
     SegmentAttentionPass()(gm)
     assert count(gm, F.scaled_dot_product_attention) == 0
     assert count(gm, operator.setitem) == 0 and count(gm, torch.zeros) == 0  # the dense mask is gone
     assert count(gm, VARLEN) == 1
+    torch.testing.assert_close(only_output(gm(x, grid)), fn(x, grid), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("fn", [scaled_block_attention, mask_with_a_false_write, mask_also_read_elsewhere])
+def only_output(result):
+    return result[0] if isinstance(result, (tuple, list)) else result
+
+
+@pytest.mark.parametrize("fn", [mask_with_a_false_write, mask_also_read_elsewhere])
 def test_segment_attention_leaves_what_it_cannot_rewrite(fn):
     gm = capture_graph(fn, *_inputs())
     before = count(gm, operator.setitem)
     SegmentAttentionPass()(gm)
     assert count(gm, F.scaled_dot_product_attention) == 1 and count(gm, VARLEN) == 0
     assert count(gm, operator.setitem) == before
+
+
+# Attention as a loop over per-segment pieces (transformers' sdpa and eager paths): q, k, v [1, H, L, D].
+def _qkv(x):
+    q = x.view(1, x.shape[0], 2, 4).transpose(1, 2)
+    return q, (q * 0.5).flip(-1), q + 1.0
+
+
+def _pieces(x, grid):
+    lengths = grid if isinstance(grid, list) else (grid[:, 0] * grid[:, 1]).tolist()
+    return zip(*[torch.split(t, lengths, dim=2) for t in _qkv(x)])
+
+
+def loop_sdpa(x, lengths):
+    """(SDPA on a piece of data-dependent length fails in dynamo itself: the lengths are Python ints,
+    as in a frame resumed after a graph break at ``.tolist()``.)"""
+    outs = [F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, scale=0.3, is_causal=False).transpose(1, 2)
+            for q, k, v in _pieces(x, lengths)]
+    return torch.cat(outs, dim=1).reshape(x.shape[0], -1)
+
+
+def loop_eager(x, grid):
+    outs = []
+    for q, k, v in _pieces(x, grid):
+        weights = torch.matmul(q, k.transpose(2, 3)) * 0.5
+        weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(q.dtype)
+        weights = F.dropout(weights, p=0.0, training=False)
+        outs.append(torch.matmul(weights, v).transpose(1, 2).contiguous())
+    return torch.cat(outs, dim=1).reshape(x.shape[0], -1)
+
+
+def loop_causal(x, lengths):
+    return torch.cat([F.scaled_dot_product_attention(q, k, v, is_causal=True) for q, k, v in _pieces(x, lengths)], dim=2)
+
+
+def loop_scales_differ(x, grid):
+    outs = []
+    for i, (q, k, v) in enumerate(_pieces(x, grid)):
+        outs.append(torch.matmul((torch.matmul(q, k.transpose(2, 3)) * (0.3 + i)).softmax(-1), v))
+    return torch.cat(outs, dim=2)
+
+
+def loop_joined_on_heads(x, grid):
+    return torch.cat([torch.matmul(torch.matmul(q, k.transpose(2, 3)).softmax(-1), v) for q, k, v in _pieces(x, grid)], dim=1)
+
+
+def loop_weights_also_returned(x, grid):
+    outs, weights = [], []
+    for q, k, v in _pieces(x, grid):
+        w = torch.matmul(q, k.transpose(-1, -2)).softmax(dim=-1)
+        weights.append(w.sum())
+        outs.append(torch.matmul(w, v))
+    return torch.cat(outs, dim=2), sum(weights)
+
+
+def loop_pieces_crossed(x, grid):
+    pieces = list(_pieces(x, grid))
+    outs = [torch.matmul(torch.matmul(pieces[i][0], pieces[i][1].transpose(2, 3)).softmax(-1), pieces[-1 - i][2])
+            for i in range(len(pieces))]
+    return torch.cat(outs, dim=2)
+
+
+def _loop_inputs(grid=((2, 3), (1, 2), (1, 1)), as_lengths=False):
+    grid = torch.tensor(grid)
+    x = torch.randn(int((grid[:, 0] * grid[:, 1]).sum()), 8)
+    return (x, (grid[:, 0] * grid[:, 1]).tolist()) if as_lengths else (x, grid)
+
+
+def _lengths_given(fn) -> bool:
+    return fn in (loop_sdpa, loop_causal)
+
+
+def run_graph(gm, x, grid):
+    """Call a captured graph on (x, grid); with the lengths given as ints, dynamo's graph takes x's size
+    and each length as its own input (named l_lengths_<i>_)."""
+    args = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        value = example_value(node)
+        if isinstance(value, torch.Tensor):
+            args.append(x if value.is_floating_point() else grid)
+        elif node.name.startswith("l_lengths_"):
+            args.append(grid[int(node.name.split("_")[2])])
+        else:
+            args.append(x.shape[0])
+    return gm(*args)
+
+
+@pytest.mark.parametrize("fn", [loop_sdpa, loop_eager])
+def test_segment_attention_rewrites_an_attention_loop_over_split_pieces(fn):
+    x, grid = _loop_inputs(as_lengths=_lengths_given(fn))
+    gm = capture_graph(fn, x, grid, dynamic=True if _lengths_given(fn) else None)
+    SegmentAttentionPass()(gm)
+    assert count(gm, VARLEN) == 1
+    assert count(gm, F.scaled_dot_product_attention) == count(gm, torch.matmul) == count(gm, torch.functional.split) == 0
+    torch.testing.assert_close(only_output(run_graph(gm, x, grid)), fn(x, grid), rtol=1e-5, atol=1e-6)
+    # The host checks the sizes cover the rows: a grid that does not match the rows is an error, not a wrong answer.
+    if not _lengths_given(fn):
+        with pytest.raises(Exception, match="sum to|segments do not cover|Runtime assertion"):
+            gm(torch.randn(x.shape[0] + 2, 8), grid)
+
+
+@pytest.mark.parametrize("fn", [loop_causal, loop_scales_differ, loop_joined_on_heads, loop_weights_also_returned,
+                                loop_pieces_crossed])
+def test_segment_attention_leaves_loops_that_are_not_one_varlen_attention(fn):
+    x, grid = _loop_inputs(((1, 3), (3, 1)), as_lengths=_lengths_given(fn))  # equal lengths: a cat on heads runs
+    gm = capture_graph(fn, x, grid, dynamic=True if _lengths_given(fn) else None)
+    expected = fn(x, grid)
+    SegmentAttentionPass()(gm)
+    assert count(gm, VARLEN) == 0
+    got = run_graph(gm, x, grid)
+    for g, e in zip(got if isinstance(got, (tuple, list)) else [got], expected if isinstance(expected, tuple) else [expected]):
+        torch.testing.assert_close(g, e)
+
+
+class LoopAttentionTower(torch.nn.Module):
+    """A tiny packed tower whose attention is a per-segment loop, in either of the two written forms."""
+
+    def __init__(self, form):
+        super().__init__()
+        self.form = form
+        self.proj_in, self.proj_out = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x, grid):
+        h = self.proj_in(x)
+        return self.proj_out(self.form(h, grid) + h)
+
+
+@pytest.mark.parametrize("form", [loop_eager])
+def test_a_tower_with_an_attention_loop_is_lifted_and_matches_eager(form):
+    torch._dynamo.reset()
+    kimi_cg.reset()
+    model = LoopAttentionTower(form).eval()
+    compiled = torch.compile(model, backend="kimi_cg")
+    for grid in [((2, 3), (1, 2)), ((1, 5), (2, 2)), ((3, 1), (1, 1)), ((2, 2), (2, 4))]:
+        x, grid = _loop_inputs(grid)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x, grid), model(x, grid), rtol=1e-5, atol=1e-6)
+    assert kimi_cg.counters["lift_fallbacks"] == 0 and kimi_cg.counters["call_fallbacks"] == 0
+    assert kimi_cg.counters["host_programs_built"] > 0
+    torch._dynamo.reset()
+    kimi_cg.reset()
 
 
 def test_written_arguments_cover_torchs_in_place_forms():

@@ -1,6 +1,6 @@
 """SegmentAttentionPass: every attention over packed images becomes the varlen op with an upper bound.
 
-Two rewrites:
+Three rewrites:
 
 1. SDPA under a block-diagonal boolean mask built by the model (sdpa path of MoonViT)::
 
@@ -18,7 +18,11 @@ Two rewrites:
    The dense L x L mask disappears; ``segments_to_cu_seqlens`` checks on the host that the
    segments tile [0, L) back to back (the only masks this rewrite accepts).
 
-2. Every upper-bound argument of a registered varlen attention op (kimi_cg's, flash-attn's, torch's
+2. Attention written as a loop over per-segment pieces (``torch.split(q, lengths.tolist())`` + one
+   attention per piece + ``cat``, as transformers' sdpa and eager paths do): one varlen call
+   (segment_loop.py).
+
+3. Every upper-bound argument of a registered varlen attention op (kimi_cg's, flash-attn's, torch's
    varlen_attn, and users' own: kimi_cg/varlen_registry.py) computed from grid values
    (``(cu[1:] - cu[:-1]).max().item()``) becomes the packed length of the tensor it bounds
    (``q.size(0)``), an upper bound that only depends on L (NOTE [max_seqlen]).
@@ -40,6 +44,7 @@ import torch.nn.functional as F
 from kimi_cg.capture import example_value
 from kimi_cg.canonicalize.base import GraphPass, eliminate_common_scalar_subexpressions
 from kimi_cg.errors import UnsupportedGraphError
+from kimi_cg.canonicalize.segment_loop import rewrite_segment_loops, sizes_to_cu_seqlens
 from kimi_cg.lift import source_location
 from kimi_cg.varlen_registry import argument, registered_bounds
 
@@ -65,6 +70,12 @@ def segments_to_cu_seqlens(bounds: tuple[int, ...], total: int) -> torch.Tensor:
         raise UnsupportedGraphError(f"attention mask blocks end at {expected}, the packed sequence has {total} rows",
                                     "mask blocks do not tile the sequence")
     return torch.tensor((0,) + tuple(ends), dtype=torch.int32)
+
+
+def _call_split_with_sizes(node: torch.fx.Node) -> bool:
+    if node.op == "call_function" and node.target in (torch.split, torch.functional.split, torch.Tensor.split):
+        return isinstance(node.args[1] if len(node.args) > 1 else node.kwargs.get("split_size_or_sections"), (list, tuple))
+    return node.op == "call_method" and node.target in ("split", "split_with_sizes") and len(node.args) > 1 and isinstance(node.args[1], (list, tuple))
 
 
 def _block_mask_bounds(mask: torch.fx.Node, attention_users: set[torch.fx.Node]):
@@ -116,7 +127,12 @@ class SegmentAttentionPass(GraphPass):
 
     def run(self, gm: torch.fx.GraphModule) -> dict:
         graph = gm.graph
-        report = {"sdpa_rewritten": 0, "max_seqlen_bounded": 0, "sdpa_left": []}
+        report = {"sdpa_rewritten": 0, "segment_loops_rewritten": 0, "max_seqlen_bounded": 0, "sdpa_left": []}
+        if any(_call_split_with_sizes(node) for node in graph.nodes):
+            # q, k and v are cut by separate .tolist() reads of one lengths tensor: make them one list
+            report["scalars_merged"] = eliminate_common_scalar_subexpressions(graph)
+            report["segment_loops_rewritten"], loops_left = rewrite_segment_loops(graph)
+            report["sdpa_left"] += loops_left
         masks: dict[torch.fx.Node, list[torch.fx.Node]] = {}
         for node in graph.nodes:
             if node.op == "call_function" and node.target in _SDPA_TARGETS:
@@ -145,8 +161,8 @@ class SegmentAttentionPass(GraphPass):
             bounds = registered_bounds(node.target) if node.op == "call_function" else None
             for position, name, tensor_position, tensor_name in bounds or ():
                 report["max_seqlen_bounded"] += _bound_argument(graph, node, position, name, tensor_position, tensor_name)
-        if report["sdpa_rewritten"]:
-            eliminate_common_scalar_subexpressions(graph, extra_pure=(segments_to_cu_seqlens,))
+        if report["sdpa_rewritten"] or report["segment_loops_rewritten"]:
+            eliminate_common_scalar_subexpressions(graph, extra_pure=(segments_to_cu_seqlens, sizes_to_cu_seqlens))
         if report["sdpa_left"]:
             # Correct either way (the dense mask goes to the device); only slower and O(L^2) in memory.
             logger.info("kimi_cg: attention kept with its dense mask: %s", report["sdpa_left"])
@@ -160,8 +176,8 @@ class SegmentAttentionPass(GraphPass):
             return "positional or unknown arguments"
         if kwargs.get("dropout_p", 0.0) not in (0, 0.0) or kwargs.get("is_causal", False) or kwargs.get("enable_gqa", False):
             return "dropout, is_causal or enable_gqa"
-        if kwargs.get("scale") is not None:
-            return "scale= (the varlen op uses 1/sqrt(head_dim))"
+        if not isinstance(kwargs.get("scale"), (type(None), int, float)):
+            return "a scale computed in the graph"
         query, key, value = (example_value(arg) for arg in node.args[:3])
         if not all(isinstance(t, torch.Tensor) for t in (query, key, value)) or not (query.shape == key.shape == value.shape):
             return "q, k and v differ in shape"
@@ -183,7 +199,7 @@ class SegmentAttentionPass(GraphPass):
             host_total = mask_length if mask_length is not None else total
             cu_seqlens = graph.call_function(segments_to_cu_seqlens, (tuple(bounds), host_total))
             cu_seqlens.meta["stack_trace"] = node.meta.get("stack_trace")
-            out = graph.call_function(_VARLEN, (*packed, cu_seqlens, total))
+            out = graph.call_function(_VARLEN, (*packed, cu_seqlens, total, node.kwargs.get("scale")))
             out = graph.call_method("transpose", (out, -3, -2))
             if batched:
                 out = graph.call_method("unsqueeze", (out, 0))

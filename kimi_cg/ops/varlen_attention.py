@@ -3,6 +3,7 @@
     q, k, v:     [L, H, Dh]   (L = total tokens of all segments, packed back to back)
     cu_seqlens:  [S + 1] int32, cu_seqlens[0] == 0, cu_seqlens[-1] == L, non-decreasing
     max_seqlen:  int, an upper bound on the longest segment (only the CUDA kernels use it)
+    scale:       softmax scale, None for 1/sqrt(Dh)
     returns      [L, H, Dh]; token i attends to every token of its own segment (no causal mask)
 
 Implementations, chosen by the device of ``q``:
@@ -18,7 +19,9 @@ The op is opaque to Inductor (it schedules around it) and capturable in a CUDA g
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
+import math
 
 import torch
 import torch.nn.functional as F
@@ -86,25 +89,39 @@ def varlen_attention_masked(
     return out.transpose(0, 1)
 
 
+@functools.lru_cache(maxsize=1)
+def _torch_varlen_takes_scale() -> bool:
+    """Whether this torch's ``varlen_attn`` has a ``scale`` argument (later versions do)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "scale" in inspect.signature(varlen_attn).parameters
+
+
 @torch.library.custom_op(f"{_LIBRARY_NAMESPACE}::varlen_attention", mutates_args=())
 def varlen_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+    scale: float | None = None,
 ) -> torch.Tensor:
     if q.device.type != "cuda":
-        return varlen_attention_reference(q, k, v, cu_seqlens)
+        return varlen_attention_reference(q, k, v, cu_seqlens, scale)
     if q.dtype not in (torch.float16, torch.bfloat16):
         # Flash kernels take fp16/bf16 only; fp32 on CUDA runs masked SDPA (capturable).
-        return varlen_attention_masked(q, k, v, cu_seqlens)
+        return varlen_attention_masked(q, k, v, cu_seqlens, scale)
     check_varlen_inputs(q, k, v, cu_seqlens)
     cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32)
     flash_varlen = _flash_attn_varlen_func()
     if flash_varlen is not None:
-        return flash_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=False)
+        return flash_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=False, softmax_scale=scale)
     from torch.nn.attention.varlen import varlen_attn
 
-    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+    if scale is None:
+        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+    if _torch_varlen_takes_scale():
+        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale)
+    # softmax(q k^T * scale) == softmax((q * scale * sqrt(Dh)) k^T / sqrt(Dh))
+    return varlen_attn(q * (scale * math.sqrt(q.shape[-1])), k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
 
 
 @varlen_attention.register_fake
-def _(q, k, v, cu_seqlens, max_seqlen):
+def _(q, k, v, cu_seqlens, max_seqlen, scale=None):
     return torch.empty_like(q)
