@@ -16,7 +16,8 @@ import weakref
 import torch
 
 from kimi_cg import capture, dynamo_settings
-from kimi_cg.canonicalize import FuseGatherLayerNormPass, MergeGatherPass, RealRopePass, SegmentAttentionPass, SeparableResizePass
+from kimi_cg.canonicalize import (FuseGatherLayerNormPass, MergeGatherPass, RealRopePass, ScatterMergePass, SegmentAttentionPass,
+                                  SeparableResizePass)
 from kimi_cg.config import KimiCGConfig
 from kimi_cg.counters import counters, timings
 from kimi_cg.device_program import get_device_program
@@ -77,6 +78,7 @@ def _lift(work: torch.fx.GraphModule, pristine: torch.fx.GraphModule, inputs, ac
           config: KimiCGConfig, dump: GraphDump):
     SeparableResizePass(dump)(work)
     SegmentAttentionPass(dump)(work)
+    ScatterMergePass(dump)(work)
     MergeGatherPass(dump)(work)
     FuseGatherLayerNormPass(dump)(work)
     RealRopePass(dump)(work)

@@ -71,6 +71,13 @@ GRIDS = {
     ],
 }
 
+# Towers whose every graph with activations lifts (no lift fallback, no call fallback) on these grids:
+# a ratchet, so a change that stops lifting one fails here. The rest still fall back somewhere (the
+# issue notes say where: data-dependent branches in transformers' sdpa path, segment counts that
+# depend on t, the flash stand-in's asserts).
+NO_LIFT_FALLBACK = {"kimi_k25-eager", "qwen2_vl-eager", "qwen2_5_vl-eager", "glm4v-eager", "upstream_moonvit-eager",
+                    "upstream_moonvit-sdpa"}
+
 CASES = [
     pytest.param(TRANSFORMERS_FACTORIES[name], name, attn, id=f"{name}-{attn}")
     for name in ("kimi_k25", "qwen2_vl", "qwen2_5_vl", "glm4v")
@@ -134,6 +141,9 @@ def test_compiled_tower_matches_eager(factory, tower_name, attn_implementation):
             assert error <= RELATIVE_TOLERANCE, f"output {index}: relative error {error:.3e}; {where}"
             worst = max(worst, error)
         print(f"{where}: worst relative error {worst:.2e}")  # shown with -rP or -s
+    if f"{tower_name}-{attn_implementation}" in NO_LIFT_FALLBACK:
+        assert kimi_cg.counters["lift_fallbacks"] == 0 and kimi_cg.counters["call_fallbacks"] == 0, dict(kimi_cg.counters)
+        assert kimi_cg.counters["host_programs_built"] > 0
 
 
 # Two models other torch.compile users write: per-piece loops over host lists made with .tolist().
