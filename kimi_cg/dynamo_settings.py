@@ -47,7 +47,9 @@ NOTE [list vs torch.Size]: dynamo before torch 2.13 compares ``[h, w] == weight.
 (upstream MoonViT's position-embedding check, always False in Python) element by element, so with
 unbacked h, w it guards on ``h != 64`` and graph-breaks. ``install()`` makes its polyfill
 ``list_cmp`` type-aware, as Python and torch >= 2.13 are: a compatibility shim for that one bug, a
-no-op on torch >= 2.13, and the one process-wide patch kimi_cg applies.
+no-op on torch >= 2.13. The other process-wide change: NOTE [attention substitutes]
+(attention_substitutes.py), a dynamo polyfill for transformers' SDPA attention function that only
+takes another path in kimi_cg frames.
 """
 
 from __future__ import annotations
@@ -140,6 +142,9 @@ def _on_compile_start(_args) -> None:
     patch = torch._dynamo.config.patch(**DYNAMO_SETTINGS)
     patch.__enter__()
     _state.patch, _state.code, _state.error_at_start = patch, code, sys.exc_info()[1]
+    from kimi_cg import attention_substitutes
+
+    attention_substitutes.install()  # NOTE [attention substitutes]
 
 
 def _on_compile_end(_args) -> None:
