@@ -197,9 +197,15 @@ def _grid_at_trace(inputs, example_inputs) -> list | None:
     return None
 
 
+def _activation_rows(inputs) -> list:
+    """The leading size of each activation input (a SymInt when dynamo made it dynamic)."""
+    values = [capture.example_value(item.node) for item in inputs if item.role is capture.InputRole.ACTIVATION]
+    return [value.shape[0] for value in values if isinstance(value, torch.Tensor) and value.dim() >= 1]
+
+
 def _has_dynamic_patch_count(inputs) -> bool:
-    activation = next(item for item in inputs if item.role is capture.InputRole.ACTIVATION)
-    return isinstance(capture.example_value(activation.node).shape[0], torch.SymInt)
+    # Any activation: a resumed piece may take a fixed-shape table before the packed patches.
+    return any(isinstance(rows, torch.SymInt) for rows in _activation_rows(inputs))
 
 
 def device_input_kinds(lifted, inputs) -> list[str]:
@@ -227,8 +233,7 @@ def _bucketed_graphs(config: KimiCGConfig, lifted, inputs, device, example_input
     if not _has_dynamic_patch_count(inputs):
         # Dynamo's first trace of a frame has static shapes: that program serves one exact L (its
         # guards send only that L here), so it gets one graph of exactly that size.
-        activation = next(item for item in inputs if item.role is capture.InputRole.ACTIVATION)
-        buckets = (int(capture.example_value(activation.node).shape[0]),)
+        buckets = (max(int(rows) for rows in _activation_rows(inputs)),)
     rules = input_rules(device, device_input_kinds(lifted, inputs))
     key = (tuple(rules), buckets, config.max_items, config.max_frames, on_cuda, config.poison_graph_pool)
     # The key holds one rule per device input (hundreds: the weights), and a tuple rehashes its

@@ -216,3 +216,50 @@ def test_a_grid_handed_to_a_device_op_is_never_a_static_input(registered, tmp_pa
     (grid_input,) = [entry for entry in report["device_inputs"] if entry["kind"] == "grid"]
     assert grid_input["padding_rule"] == ("cu_seqlens" if registered else "unpadded")
     assert kimi_cg.counters["lift_fallbacks"] == kimi_cg.counters["call_fallbacks"] == 0
+
+
+class PieceAfterABreak(torch.nn.Module):
+    """What a frame resumed after a graph break receives (Kimi-K2.5's piece after get_vision_frame_index):
+    a small float table the caller computed (fixed shape, not one row per patch), a per-patch index made
+    from the grid, and the packed patches. The index only reads the table; an index_add would write."""
+
+    def __init__(self, write: bool = False):
+        super().__init__()
+        self.write = write
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, table, frame_index, x):
+        if self.write:  # a scatter: padded index rows would add padding into real rows
+            return self.proj(x).index_add(0, frame_index, x)
+        return self.proj(x + table[frame_index])
+
+
+@pytest.mark.parametrize("write", [False, True])
+def test_a_resumed_piece_with_a_fixed_table_and_a_row_index_replays(write, tmp_path):
+    """A float input of fixed shape is copied in as is each call ("fixed"); a grid-made index with one
+    entry per patch row that only gathers is padded like rows (padding rows read table row 0). An index
+    a device op writes through stays unpadded (plain program). Outputs always match eager."""
+    import json
+
+    from kimi_cg.debug.dump import read_index
+
+    torch.manual_seed(0)
+    model = PieceAfterABreak(write).eval()
+    # Automatic dynamic shapes (as for a tower): the table keeps its static shape, the rows become s0.
+    compiled = torch.compile(model, backend="kimi_cg",
+                             options={"cuda_graphs": True, "token_budgets": [32, 64], "debug_dir": str(tmp_path)})
+    for rows in (7, 20, 41, 13):
+        table = torch.randn(5, 16)
+        frame_index = torch.randint(0, 5 if not write else rows, (rows,))
+        x = torch.randn(rows, 16)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(table, frame_index, x), model(table, frame_index, x), rtol=1e-5, atol=1e-5)
+    graph = [g for g in read_index(str(tmp_path)) if g["status"] == "lifted"][-1]  # the dynamic trace
+    report = json.loads((tmp_path / graph["path"] / "lift_report.json").read_text())
+    rules = {entry["placeholder"]: entry["padding_rule"] for entry in report["device_inputs"]}
+    index_rule = next(rule for name, rule in rules.items() if "frame_index" in name)
+    assert index_rule == ("unpadded" if write else "rows"), rules
+    if not write:
+        assert next(rule for name, rule in rules.items() if "table" in name) == "fixed", rules
+        assert kimi_cg.counters["eager_fallbacks"] == 0, dict(kimi_cg.counters)
+    assert kimi_cg.counters["lift_fallbacks"] == kimi_cg.counters["call_fallbacks"] == 0

@@ -4,6 +4,7 @@ backends with the grid in the message under the fp32 and bf16 rules, shrinks, an
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 import time
@@ -245,4 +246,5 @@ def test_example_script_fuzzes_a_transformers_tower_from_the_command_line():
     result = subprocess.run([sys.executable, "-m", "kimi_cg.testing", f"{script}:qwen2_vl",
                              "--examples", "2"], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "2 examples passed" in result.stdout and "output['last_hidden_state']" in result.stdout
+    # The worst output is named by its key in the tower's return value (which one depends on rounding).
+    assert "2 examples passed" in result.stdout and re.search(r"output\['(last_hidden_state|pooler_output)'\]", result.stdout)

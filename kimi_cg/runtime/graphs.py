@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import operator
 import threading
 import time
 import weakref
@@ -51,13 +52,20 @@ def _packet(target):
 
 @dataclasses.dataclass(frozen=True)
 class InputRule:
-    kind: str  # "rows", "size", "static", "cu_seqlens", "plan_index", "plan_weight", "unpadded"
+    kind: str  # "rows", "size", "static", "fixed", "cu_seqlens", "plan_index", "plan_weight", "unpadded"
+    shape: tuple[int, ...] | None = None  # "fixed": the shape every call's value has
 
 
 def input_rules(program: DeviceProgram, kinds: list[str]) -> list[InputRule]:
     """Padding rule per device-program input; ``kinds`` says where each comes from
     ("activation", "state", "size", "grid", "host": backend.device_input_kinds)."""
     placeholders = [n for n in program.gm.graph.nodes if n.op == "placeholder"]
+    # The packed rows: the activations' leading size (symbolic, or in dynamo's static first trace the
+    # largest). Inputs of one fixed shape that is not row-aligned (a table a previous piece computed)
+    # are copied in as they are each call.
+    leading = [_leading_size(node) for node, kind in zip(placeholders, kinds) if kind == "activation"]
+    symbolic = [size for size in leading if size is not None and not isinstance(size, int)]
+    static_rows = None if symbolic else max((size for size in leading if size is not None), default=None)
     rules = []
     for node, kind in zip(placeholders, kinds):
         if kind == "activation":
@@ -68,9 +76,15 @@ def input_rules(program: DeviceProgram, kinds: list[str]) -> list[InputRule]:
             rules.append(InputRule("size"))
         elif kind == "grid":
             # A call's integer tensor consumed by a device op as is: padded as segment boundaries when
-            # it is some varlen attention's, else the call runs the plain program (never replayed
-            # with another call's values).
-            rules.append(InputRule("cu_seqlens" if _is_segment_boundary(node) else "unpadded"))
+            # it is some varlen attention's, like rows when it is one index per patch row that only
+            # reads (padding rows read entry 0 of the indexed tensor, into padding rows), else the
+            # call runs the plain program (never replayed with another call's values).
+            if _is_segment_boundary(node):
+                rules.append(InputRule("cu_seqlens"))
+            elif (_leading_size_symbolic(node) or _leading_size(node) == static_rows) and _only_gathers_with(node):
+                rules.append(InputRule("rows"))
+            else:
+                rules.append(InputRule("unpadded"))
         else:
             uses = {(_packet(user.target), user.args.index(node)) for user in node.users if node in user.args}
             if (_MERGE_GATHER, 1) in uses or (_MERGE_GATHER_LAYERNORM, 1) in uses:
@@ -85,6 +99,9 @@ def input_rules(program: DeviceProgram, kinds: list[str]) -> list[InputRule]:
                 rules.append(InputRule("unpadded"))
             else:
                 rules.append(InputRule("rows"))
+        fixed = _fixed_shape(node) if rules[-1].kind in ("rows", "unpadded") else None
+        if fixed is not None and (symbolic or (static_rows is not None and fixed[:1] != (static_rows,))):
+            rules[-1] = InputRule("fixed", fixed)
     return rules
 
 
@@ -97,6 +114,52 @@ def _is_segment_boundary(node: torch.fx.Node) -> bool:
             if argument(user, position, name) is node:
                 return True
     return False
+
+
+def _leading_size(node: torch.fx.Node):
+    value = node.meta.get("example_value", node.meta.get("val"))
+    return value.shape[0] if isinstance(value, torch.Tensor) and value.dim() >= 1 else None
+
+
+def _leading_size_symbolic(node: torch.fx.Node) -> bool:
+    value = node.meta.get("example_value", node.meta.get("val"))
+    return isinstance(value, torch.Tensor) and value.dim() >= 1 and not isinstance(value.shape[0], int)
+
+
+def _fixed_shape(node: torch.fx.Node) -> tuple[int, ...] | None:
+    value = node.meta.get("example_value", node.meta.get("val"))
+    if isinstance(value, torch.Tensor) and all(isinstance(size, int) for size in value.shape):
+        return tuple(value.shape)
+    return None
+
+
+def _only_gathers_with(node: torch.fx.Node) -> bool:
+    """Every use of this 1-D integer tensor indexes the leading dim of a non-empty tensor, reading only
+    (``table[index]``, ``index_select(table, 0, index)``, ``embedding(index, table)``)."""
+    value = node.meta.get("example_value", node.meta.get("val"))
+    if not (isinstance(value, torch.Tensor) and value.dim() == 1 and not value.is_floating_point()):
+        return False
+
+    def non_empty(table) -> bool:
+        table = table.meta.get("example_value", table.meta.get("val")) if isinstance(table, torch.fx.Node) else None
+        return isinstance(table, torch.Tensor) and table.dim() >= 1 and not (isinstance(table.shape[0], int) and table.shape[0] == 0)
+
+    for user in node.users:
+        if user.op == "call_function" and user.target is operator.getitem and user.args[1] is node:
+            table = user.args[0]
+        elif user.op == "call_function" and user.target in (torch.index_select, torch.Tensor.index_select) and (
+                len(user.args) == 3 and user.args[1] == 0 and user.args[2] is node):
+            table = user.args[0]
+        elif user.op == "call_method" and user.target == "index_select" and user.args[1:] == (0, node):
+            table = user.args[0]
+        elif user.op == "call_function" and user.target is torch.nn.functional.embedding and user.args[0] is node and (
+                len(user.args) == 2 and not user.kwargs):
+            table = user.args[1]
+        else:
+            return False
+        if not non_empty(table):
+            return False
+    return bool(node.users)
 
 
 def _has_symbolic_trailing_dims(node: torch.fx.Node) -> bool:
@@ -172,6 +235,8 @@ class BucketedGraphs:
         for i, rule in self.padded:
             value = inputs[i]
             if rule.kind == "unpadded":
+                return None
+            if rule.kind == "fixed" and tuple(value.shape) != rule.shape:
                 return None
             if rule.kind == "cu_seqlens" and value.shape[0] > self.max_segments:
                 return None
@@ -250,7 +315,7 @@ class BucketedGraphs:
 
         piece = []
         for rule, value in zip(self.rules, inputs):
-            if rule.kind == "static":
+            if rule.kind in ("static", "fixed"):
                 piece.append(value)
             elif rule.kind == "size":
                 piece.append(total)
@@ -305,6 +370,8 @@ class BucketedGraphs:
                 static.append(capacity)
             elif rule.kind == "rows":
                 static.append(torch.zeros((capacity, *value.shape[1:]), dtype=value.dtype, device=device))
+            elif rule.kind == "fixed":
+                static.append(torch.zeros(rule.shape, dtype=value.dtype, device=device))
             elif rule.kind == "cu_seqlens":
                 buffer = torch.full((self.max_segments + 1,), capacity, dtype=torch.int32, device=device)
                 buffer[0] = 0
@@ -326,6 +393,8 @@ class BucketedGraphs:
                 rows = value.shape[0]
                 static[:rows].copy_(value, non_blocking=True)
                 static[rows:].zero_()
+            elif rule.kind == "fixed":
+                static.copy_(value, non_blocking=True)
             elif rule.kind == "cu_seqlens":
                 count = value.shape[0]
                 static[:count].copy_(value, non_blocking=True)
