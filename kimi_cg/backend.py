@@ -230,7 +230,8 @@ def _bucketed_graphs(config: KimiCGConfig, lifted, inputs, device, example_input
     if not enabled:
         return None
     buckets = config.buckets()
-    if not _has_dynamic_patch_count(inputs):
+    exact_rows = not _has_dynamic_patch_count(inputs)
+    if exact_rows:
         # Dynamo's first trace of a frame has static shapes: that program serves one exact L (its
         # guards send only that L here), so it gets one graph of exactly that size.
         buckets = (max(int(rows) for rows in _activation_rows(inputs)),)
@@ -257,7 +258,7 @@ def _bucketed_graphs(config: KimiCGConfig, lifted, inputs, device, example_input
         if graphs is None:
             graphs = _new_graphs(device, (key, addresses), weights, lambda: BucketedGraphs(
                 device, rules, buckets, config.max_items, config.max_frames, capture=on_cuda,
-                poison_pool=config.poison_graph_pool))
+                poison_pool=config.poison_graph_pool, exact_rows=exact_rows))
         return graphs
 
     return graphs_for

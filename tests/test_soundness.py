@@ -277,3 +277,24 @@ class ViewsAcrossAGraphBreak(torch.nn.Module):
 
 def test_outputs_that_alias_each_other_still_alias():
     _assert_matches_eager(ViewsAcrossAGraphBreak(), GRIDS)
+
+
+class RowReductions(torch.nn.Module):
+    """Ops that mix the packed rows: a bucket's zero padding rows would change their results."""
+
+    def forward(self, x, grid):
+        y = x * grid.sum()
+        q = y.view(1, 1, y.shape[0], y.shape[1])
+        return y.mean(0), torch.softmax(y, dim=0), torch.nn.functional.scaled_dot_product_attention(q, q, q), y.cumsum(0)
+
+
+def test_ops_that_mix_rows_never_run_padded():
+    """The bucketed path pads the packed rows with zeros. A device program that reduces, normalises,
+    scans or attends across all rows must not run padded (it runs the plain program): same numbers."""
+    model = RowReductions()
+    compiled = torch.compile(model, backend="kimi_cg", options={"cuda_graphs": True, "token_budgets": [32, 64]})
+    with torch.no_grad():
+        for rows in (7, 20, 13, 9):
+            x, grid = torch.randn(rows, 4) + 1, torch.tensor([[1, 2]])
+            for got, want in zip(compiled(x, grid), model(x, grid)):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -195,7 +195,7 @@ class BucketedGraphs:
     """Runs a device program through padded per-bucket static buffers (CUDA graphs on CUDA)."""
 
     def __init__(self, program: DeviceProgram, rules: list[InputRule], buckets: tuple[int, ...], max_items: int,
-                 max_frames: int, capture: bool, poison_pool: bool = False):
+                 max_frames: int, capture: bool, poison_pool: bool = False, exact_rows: bool = False):
         self.program = program
         self.rules = rules
         # Per-call loops skip the static inputs (the weights, hundreds of them): they need no copy.
@@ -207,6 +207,11 @@ class BucketedGraphs:
         self.capture = capture
         self.on_cuda = capture  # capture is asked for exactly when the activations are on CUDA
         self.poison_pool = poison_pool
+        # NOTE [row locality]: decided at the first call (it needs one call's input shapes); a program
+        # whose padding rows could reach real rows never runs padded.
+        # exact_rows: dynamo's static first trace, whose one bucket is its exact row count (nothing padded).
+        self.hazard: str | None = None
+        self._hazard_checked = exact_rows
         self.buckets: dict[int, _Bucket] = {}
         self.pool = None
         self.graph_bytes = 0
@@ -228,8 +233,24 @@ class BucketedGraphs:
     def _patches(self, inputs) -> int:
         return max(inputs[i].shape[0] for i in self.row_positions)
 
+    def check_padding(self, inputs) -> str | None:
+        """Why this program must not run on padded rows (NOTE [row locality]), or None; decided once."""
+        if not self._hazard_checked:
+            from kimi_cg.runtime.row_locality import padding_hazard
+
+            gm = getattr(self.program, "gm", None)  # (tests' stand-in programs have no graph to analyse)
+            if gm is not None and not any(rule.kind == "unpadded" for rule in self.rules):
+                self.hazard = padding_hazard(gm, self.rules, inputs)
+            self._hazard_checked = True
+            if self.hazard is not None:
+                counters["padding_hazards"] += 1
+                logger.info("kimi_cg: a device program runs unpadded, without CUDA graphs: %s", self.hazard)
+        return self.hazard
+
     def choose(self, inputs) -> int | None:
         """The smallest bucket this call fits, or None (then the caller runs the plain program)."""
+        if self.check_padding(inputs) is not None:
+            return None
         rows = self._patches(inputs)
         needed = rows
         for i, rule in self.padded:
@@ -261,7 +282,7 @@ class BucketedGraphs:
         never a ratio: a video chunk's merged rows follow its gather-plan rows (h * w / 4, frames
         averaged), not its patch rows (t * h * w), and both ratios can be whole numbers."""
         cu_positions = [i for i, r in enumerate(self.rules) if r.kind == "cu_seqlens"]
-        if not cu_positions or any(r.kind == "unpadded" for r in self.rules):
+        if not cu_positions or any(r.kind == "unpadded" for r in self.rules) or self.check_padding(inputs) is not None:
             return None
         cu = inputs[cu_positions[0]]
         if any(not torch.equal(inputs[i].cpu(), cu.cpu()) for i in cu_positions[1:]):

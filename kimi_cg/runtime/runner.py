@@ -198,7 +198,7 @@ class LiftedRunner:
             if split is not None:
                 return split
             counters["eager_fallbacks"] += 1
-            _note(record, path="plain program", reason="no bucket fits", rows=graphs.patch_rows(device_args) if record is not None else None)
+            _note(record, path="plain program", reason="padding could reach real rows" if graphs.hazard else "no bucket fits", rows=graphs.patch_rows(device_args) if record is not None else None)
             logger.debug("kimi_cg: call does not fit a bucket; running the non-graphed device program")
         else:
             _note(record, path="plain program", reason="CUDA graphs off")
