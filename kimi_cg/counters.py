@@ -13,6 +13,8 @@ Keys (missing keys read as 0):
   state_snapshots_taken       state tensors seen new or changed (a new token, a new snapshot)
   graph_replays, captures     CUDA-graph replays and captures (CUDA runtime)
   eager_fallbacks             calls or items that ran the non-graphed device program
+  padding_hazards             device programs that must not run on padded rows (NOTE [row locality]):
+                              their calls run the non-graphed program
   split_calls                 calls too large for one replay, run as several replays of whole items
   buckets_dropped_for_memory  buckets whose buffers or capture ran out of memory (NOTE [memory pressure])
   capture_failures            graph sets whose device program could not be captured (run padded, uncaptured)
