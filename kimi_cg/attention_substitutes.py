@@ -88,7 +88,8 @@ def install() -> None:
                                **kwargs):
         if _tracing_for_kimi_cg() and _plain(module, query, key, value, attention_mask, dropout, is_causal, kwargs):
             return _matmul_softmax_attention(query, key, value, scaling)
-        return copy(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+        return copy(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
+                    **kwargs)
 
     try:
         torch._dynamo.substitute_in_graph(original, skip_signature_check=True)(sdpa_attention_forward)
