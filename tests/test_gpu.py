@@ -99,7 +99,8 @@ def test_graph_replays_match_eager_bf16(tower, size, count):
 
 def test_transformers_kimi_k25_tower_matches_eager_bf16():
     """transformers' Kimi-K2.5 tower (tiny, random weights) on CUDA in bf16, through kimi_cg.testing:
-    correct outputs whatever kimi_cg lifts of it (pieces may run unlifted: issue 11)."""
+    correct outputs, every graph lifted and its device calls replayed as CUDA graphs (as on CPU, where
+    tests/test_foreign_towers.py checks the same on the padded path)."""
     from towers import TowerUnavailable
     from towers.transformers_towers import build_kimi_k25
 
@@ -119,7 +120,10 @@ def test_transformers_kimi_k25_tower_matches_eager_bf16():
     strategy = kimi_cg.testing.grids(dims=3, max_items=4, max_side=16, max_patches=1024, video_fraction=0.0)
     report = kimi_cg.testing.assert_matches_eager(model, compiled, make_inputs, strategy, reference=reference,
                                                   outputs=tower.extract_outputs, max_examples=24)
-    _record("transformers-kimi_k25-tiny", report, dict(kimi_cg.counters))
+    counters = dict(kimi_cg.counters)
+    _record("transformers-kimi_k25-tiny", report, counters)
+    assert counters.get("lift_fallbacks", 0) == 0 and counters.get("call_fallbacks", 0) == 0, counters
+    assert counters.get("graph_replays", 0) > 0 and counters.get("padding_hazards", 0) == 0, counters
 
 
 @pytest.mark.parametrize("tower", ["moonvit", "moonvit3d"])
