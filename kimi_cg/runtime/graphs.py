@@ -282,7 +282,8 @@ class BucketedGraphs:
         never a ratio: a video chunk's merged rows follow its gather-plan rows (h * w / 4, frames
         averaged), not its patch rows (t * h * w), and both ratios can be whole numbers."""
         cu_positions = [i for i, r in enumerate(self.rules) if r.kind == "cu_seqlens"]
-        if not cu_positions or any(r.kind == "unpadded" for r in self.rules) or self.check_padding(inputs) is not None:
+        # A fixed-shape input is the whole call's (a table, the grid): not cut per item, so no split.
+        if not cu_positions or any(r.kind in ("unpadded", "fixed") for r in self.rules) or self.check_padding(inputs) is not None:
             return None
         cu = inputs[cu_positions[0]]
         if any(not torch.equal(inputs[i].cpu(), cu.cpu()) for i in cu_positions[1:]):
@@ -336,7 +337,7 @@ class BucketedGraphs:
 
         piece = []
         for rule, value in zip(self.rules, inputs):
-            if rule.kind in ("static", "fixed"):
+            if rule.kind == "static":
                 piece.append(value)
             elif rule.kind == "size":
                 piece.append(total)
