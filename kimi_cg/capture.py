@@ -24,7 +24,7 @@ class InputRole(enum.Enum):
     SIZE = "size"  # SymInt inputs dynamo adds for dynamic dimensions
 
 
-# Fallback when a placeholder carries no source (graphs not made by dynamo): dynamo's names for
+# Fallback when a placeholder has no source (graphs not made by dynamo): dynamo's names for
 # lifted module state, e.g. L_self_modules_..._parameters_weight_.
 _MODULE_STATE_NAME = re.compile(r"^(L_self_|L_self$)|_modules_|_parameters_|_buffers_")
 

@@ -7,7 +7,7 @@ language model) with a tiny random config: nothing is downloaded. The one line t
 
     model.model.vision_tower.compile(backend="kimi_cg")
 
-Prompts carry images and a 4-frame video chunk of different sizes. For each, greedy ``generate()``
+Prompts hold images and a 4-frame video chunk of different sizes. For each, greedy ``generate()``
 runs on the eager model and on the compiled one (same weights); the tokens must be identical and
 every step's logits within the dtype's tolerance. The vision features themselves are compared too,
 and a prompt with other pixels must change the logits (so the check depends on the tower at all).

@@ -6,7 +6,7 @@ flash-attn stand-in op). Every tower is tiny (hidden 64, 2 layers, head dim 16) 
 is called on three grids: one item, two items, two items of other sizes (the same item count again, so
 the second trace must not specialise on sizes; video chunks with t > 1 where the tower takes them).
 fp32: each output within 1e-5 of eager relative to the output's largest magnitude, and no NaN. Each
-call prints its time and kimi_cg.counters (``-rP`` shows them); a failure message carries them too.
+call prints its time and kimi_cg.counters (``-rP`` shows them); a failure message includes them too.
 Whole module: about 3 minutes on 2 CPU cores.
 
 The last test checks that a kimi_cg compile leaves other torch.compile users alone (their outputs and

@@ -123,7 +123,7 @@ def _dims(node: torch.fx.Node, rank: int, position: int = 1, name: str = "dim"):
 
 def padding_hazard(gm: torch.fx.GraphModule, rules, inputs) -> str | None:
     """None when zero padding rows can never reach a real output element (NOTE [row locality]), else
-    the first op that could carry padding into real rows, with where it comes from. ``inputs``: one
+    the first op that could move padding into real rows, with where it comes from. ``inputs``: one
     call's device inputs; the program is run twice on meta tensors (that call's shapes, and twice its
     rows) and an axis is a row axis where the two runs' sizes differ."""
     from kimi_cg.lift import is_size_query, source_location
