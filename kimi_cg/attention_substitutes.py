@@ -75,9 +75,7 @@ def install() -> None:
     """Register the substitute for transformers' SDPA attention when transformers is loaded; idempotent."""
     module = sys.modules.get(_SDPA_MODULE)
     original = getattr(module, "sdpa_attention_forward", None)
-    if original is None or _installed.get(_SDPA_MODULE) is original:
-        return
-    if _SDPA_MODULE in _installed:  # a reloaded module: its new function is not ours to replace twice
+    if original is None or _SDPA_MODULE in _installed:  # once (a reloaded module keeps what it had)
         return
     copy = types.FunctionType(original.__code__, original.__globals__, original.__name__, original.__defaults__,
                               original.__closure__)

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from kimi_cg.capture import example_value
 from kimi_cg.canonicalize.base import GraphPass, eliminate_common_scalar_subexpressions
 from kimi_cg.errors import UnsupportedGraphError
-from kimi_cg.canonicalize.segment_loop import rewrite_segment_loops, sizes_to_cu_seqlens
+from kimi_cg.canonicalize.segment_loop import is_split_by_sizes, rewrite_segment_loops, sizes_to_cu_seqlens
 from kimi_cg.lift import source_location
 from kimi_cg.varlen_registry import argument, registered_bounds
 
@@ -70,12 +70,6 @@ def segments_to_cu_seqlens(bounds: tuple[int, ...], total: int) -> torch.Tensor:
         raise UnsupportedGraphError(f"attention mask blocks end at {expected}, the packed sequence has {total} rows",
                                     "mask blocks do not tile the sequence")
     return torch.tensor((0,) + tuple(ends), dtype=torch.int32)
-
-
-def _call_split_with_sizes(node: torch.fx.Node) -> bool:
-    if node.op == "call_function" and node.target in (torch.split, torch.functional.split, torch.Tensor.split):
-        return isinstance(node.args[1] if len(node.args) > 1 else node.kwargs.get("split_size_or_sections"), (list, tuple))
-    return node.op == "call_method" and node.target in ("split", "split_with_sizes") and len(node.args) > 1 and isinstance(node.args[1], (list, tuple))
 
 
 def _block_mask_bounds(mask: torch.fx.Node, attention_users: set[torch.fx.Node]):
@@ -128,7 +122,7 @@ class SegmentAttentionPass(GraphPass):
     def run(self, gm: torch.fx.GraphModule) -> dict:
         graph = gm.graph
         report = {"sdpa_rewritten": 0, "segment_loops_rewritten": 0, "max_seqlen_bounded": 0, "sdpa_left": []}
-        if any(_call_split_with_sizes(node) for node in graph.nodes):
+        if any(is_split_by_sizes(node) for node in graph.nodes):
             # q, k and v are cut by separate .tolist() reads of one lengths tensor: make them one list
             report["scalars_merged"] = eliminate_common_scalar_subexpressions(graph)
             report["segment_loops_rewritten"], loops_left = rewrite_segment_loops(graph)

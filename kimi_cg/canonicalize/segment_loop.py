@@ -92,15 +92,18 @@ def _dim(value, rank: int):
     return value + rank if isinstance(value, int) and value < 0 else value
 
 
+def is_split_by_sizes(node) -> bool:
+    """``split(t, [sizes...], dim)`` in any spelling (a list of sizes, not one chunk size)."""
+    if _call(node, {torch.ops.aten.split_with_sizes.default}):
+        return True
+    return _call(node, _SPLIT_FUNCTIONS, {"split", "split_with_sizes"}) and isinstance(
+        _arg(node, 1, "split_size_or_sections"), (list, tuple))
+
+
 def _split_piece(node) -> tuple[torch.fx.Node, int] | None:
     """(split node, index) when ``node`` is ``split(...)[index]``."""
-    if not (_call(node, {operator.getitem}) and isinstance(node.args[1], int)):
-        return None
-    split = node.args[0]
-    if _call(split, _SPLIT_FUNCTIONS, {"split", "split_with_sizes"}) and isinstance(_arg(split, 1, "split_size_or_sections"), (list, tuple)):
-        return split, node.args[1]
-    if _call(split, {torch.ops.aten.split_with_sizes.default}):
-        return split, node.args[1]
+    if _call(node, {operator.getitem}) and isinstance(node.args[1], int) and is_split_by_sizes(node.args[0]):
+        return node.args[0], node.args[1]
     return None
 
 

@@ -34,6 +34,7 @@ import weakref
 import torch
 
 import kimi_cg.ops  # noqa: F401  (registers torch.ops.kimi_cg.*)
+from kimi_cg.capture import example_value
 from kimi_cg.counters import counters, timings
 from kimi_cg.device_program import DeviceProgram
 from kimi_cg.fallback import record_fallback
@@ -81,7 +82,7 @@ def input_rules(program: DeviceProgram, kinds: list[str]) -> list[InputRule]:
             # call runs the plain program (never replayed with another call's values).
             if _is_segment_boundary(node):
                 rules.append(InputRule("cu_seqlens"))
-            elif (_leading_size_symbolic(node) or _leading_size(node) == static_rows) and _only_gathers_with(node):
+            elif _row_aligned(node, static_rows) and _only_gathers_with(node):
                 rules.append(InputRule("rows"))
             else:
                 rules.append(InputRule("unpadded"))
@@ -117,17 +118,18 @@ def _is_segment_boundary(node: torch.fx.Node) -> bool:
 
 
 def _leading_size(node: torch.fx.Node):
-    value = node.meta.get("example_value", node.meta.get("val"))
+    value = example_value(node)
     return value.shape[0] if isinstance(value, torch.Tensor) and value.dim() >= 1 else None
 
 
-def _leading_size_symbolic(node: torch.fx.Node) -> bool:
-    value = node.meta.get("example_value", node.meta.get("val"))
-    return isinstance(value, torch.Tensor) and value.dim() >= 1 and not isinstance(value.shape[0], int)
+def _row_aligned(node: torch.fx.Node, static_rows) -> bool:
+    """One entry per packed row: a symbolic leading size, or the static first trace's row count."""
+    size = _leading_size(node)
+    return size is not None and (not isinstance(size, int) or size == static_rows)
 
 
 def _fixed_shape(node: torch.fx.Node) -> tuple[int, ...] | None:
-    value = node.meta.get("example_value", node.meta.get("val"))
+    value = example_value(node)
     if isinstance(value, torch.Tensor) and all(isinstance(size, int) for size in value.shape):
         return tuple(value.shape)
     return None
@@ -136,12 +138,12 @@ def _fixed_shape(node: torch.fx.Node) -> tuple[int, ...] | None:
 def _only_gathers_with(node: torch.fx.Node) -> bool:
     """Every use of this 1-D integer tensor indexes the leading dim of a non-empty tensor, reading only
     (``table[index]``, ``index_select(table, 0, index)``, ``embedding(index, table)``)."""
-    value = node.meta.get("example_value", node.meta.get("val"))
+    value = example_value(node)
     if not (isinstance(value, torch.Tensor) and value.dim() == 1 and not value.is_floating_point()):
         return False
 
     def non_empty(table) -> bool:
-        table = table.meta.get("example_value", table.meta.get("val")) if isinstance(table, torch.fx.Node) else None
+        table = example_value(table) if isinstance(table, torch.fx.Node) else None
         return isinstance(table, torch.Tensor) and table.dim() >= 1 and not (isinstance(table.shape[0], int) and table.shape[0] == 0)
 
     for user in node.users:
@@ -163,7 +165,7 @@ def _only_gathers_with(node: torch.fx.Node) -> bool:
 
 
 def _has_symbolic_trailing_dims(node: torch.fx.Node) -> bool:
-    value = node.meta.get("example_value", node.meta.get("val"))
+    value = example_value(node)
     return isinstance(value, torch.Tensor) and any(not isinstance(size, int) for size in value.shape[1:])
 
 

@@ -9,14 +9,15 @@ ops do too by construction (varlen attention with the padding in its own segment
 whose padding plan rows read nothing). Ops that combine rows do not: a mean, softmax, scan, sort or
 attention over the row axis, a matmul contracting it, a slice of it, a cat along it.
 
-``padding_hazard(gm, rules)`` walks the program and returns None when every op that touches row
-data is on a list of row-local ops with the row axis where the op keeps it, else the first op that
-is not, with its source line. An op it does not know counts as a hazard: such programs run unpadded
-(the plain device program), never wrong, only not replayed as a CUDA graph.
+``padding_hazard(gm, rules, inputs)`` walks the program and returns None when every op that touches
+row data is on a list of row-local ops with the row axis where the op keeps it, else the first op
+that is not, with its source line. An op it does not know counts as a hazard: such programs run
+unpadded (the plain device program), never wrong, only not replayed as a CUDA graph.
 
-The row axis of a value is found from its symbolic shape: the dims whose size names a row symbol
-(the leading size of the inputs padded as rows or as merge-plan rows). A value computed from row
-data must keep exactly one such axis.
+The row axis of a value is found by running the program twice on meta tensors: once with one call's
+input shapes, once with its rows and merge-plan rows doubled; a row axis is a dim whose size differs.
+A value computed from row data must keep exactly one such axis. Dynamo's static first trace is not
+analysed (BucketedGraphs' ``exact_rows``): its one bucket is its exact row count, nothing is padded.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 
 from kimi_cg.varlen_registry import argument, registered_segments
 
-_KIMI_CG_GATHERS = ("kimi_cg.merge_gather", "kimi_cg.merge_gather_layernorm")
+_KIMI_CG_GATHERS = ("kimi_cg.merge_gather", "kimi_cg.merge_gather_layernorm", "merge_gather", "merge_gather_layernorm")
 
 
 def _objects(*candidates):
@@ -130,14 +131,13 @@ def padding_hazard(gm: torch.fx.GraphModule, rules, inputs) -> str | None:
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     row_inputs = {node for node, rule in zip(placeholders, rules) if rule.kind == "rows"}
-    if not any(_symbolic_rows(node) for node in row_inputs):
-        # No rows, or dynamo's static first trace: its one bucket is its exact row count, so its rows
-        # are never padded (merge-plan rows are, and read nothing by construction).
+    if not row_inputs:
         return None
     try:
         small, large = _shapes(gm, rules, inputs, 1), _shapes(gm, rules, inputs, 2)
     except Exception as error:  # noqa: BLE001 - an op without a meta kernel: not provably row-local
         return f"the program does not run on meta tensors ({type(error).__name__}: {str(error)[:200]})"
+    shapes = _Shapes(small, large)
     segment_inputs = {node for node, rule in zip(placeholders, rules) if rule.kind == "cu_seqlens"}
     tainted = set(row_inputs)
     for node in gm.graph.nodes:
@@ -146,22 +146,11 @@ def padding_hazard(gm: torch.fx.GraphModule, rules, inputs) -> str | None:
         inputs_ = [arg for arg in node.all_input_nodes if arg in tainted]
         if not inputs_:
             continue
-        problem = _check(node, inputs_, _Shapes(small, large), segment_inputs)
+        problem = _check(node, inputs_, shapes, segment_inputs)
         if problem is not None:
             return f"{problem}: {_name(node)} at {source_location(node)}"
         tainted.add(node)
     return None
-
-
-def _symbolic_rows(node: torch.fx.Node) -> bool:
-    """The leading size is one of the call's dynamic sizes (a backed symbol, as the patches' ``s0``),
-    not a constant of a static trace nor a grid-made size of host metadata."""
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-
-    value = node.meta.get("example_value", node.meta.get("val"))
-    if not (isinstance(value, torch.Tensor) and value.dim() >= 1) or isinstance(value.shape[0], int):
-        return False
-    return not free_unbacked_symbols(value.shape[0])
 
 
 class _Shapes:
@@ -169,9 +158,6 @@ class _Shapes:
 
     def __init__(self, small: dict, large: dict):
         self.small, self.large = small, large
-
-    def shape(self, node):
-        return self.small.get(node) if isinstance(node, torch.fx.Node) else None
 
     def rank(self, node) -> int:
         return len(self.small[node])
@@ -191,7 +177,7 @@ class _Shapes:
         return math.prod(a[:axis]), math.prod(b[:axis])
 
 
-def _check(node, inputs, shapes: "_Shapes", segment_inputs) -> str | None:
+def _check(node, inputs, shapes: _Shapes, segment_inputs) -> str | None:
     name = _name(node)
     if node.op == "call_function" and node.target is operator.getitem and not shapes.is_tensor(node.args[0]):
         return None  # an element of a split / unbind tuple: checked at the op that made it
@@ -204,7 +190,7 @@ def _check(node, inputs, shapes: "_Shapes", segment_inputs) -> str | None:
         ok = all(axes == [0] for axes in axes_in.values()) and all(
             isinstance(b, torch.fx.Node) and _comes_from(b, segment_inputs) for b in bounds)
         return None if ok else "varlen attention not on rows padded with their own segment"
-    if name in _KIMI_CG_GATHERS or name in ("merge_gather", "merge_gather_layernorm"):
+    if name in _KIMI_CG_GATHERS:
         # Output rows are plan rows: padding plan rows read nothing (index -1); real ones read real rows.
         ok = axes_in.get(node.args[0]) == [0] and all(arg not in inputs for arg in node.args[1:])
         return None if ok else "a gather plan made from rows"
