@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU proof on the H200 in one run: core tests under the GPU machine's torch, the GPU tests
 # (CUDA-graph replays vs eager in bf16, fuzzed, poisoned pool; data_parallel over NCCL where the host
-# has two GPUs), then a short summary.
+# has two GPUs), then a short summary. `scripts/gpu_check.sh gpu` runs the GPU tests with the core
+# suite beside them, `scripts/gpu_check.sh cpu` the other CPU suites (each part fits a 10-minute call).
 # On a GPU host without internet access kimi_cg comes from a wheel built beforehand:
 #   pip wheel --no-deps --no-build-isolation -w .whl .   (and copy .whl/ along with the tree)
 set -uo pipefail
@@ -14,38 +15,40 @@ fi
 python3 -P -c "import torch, kimi_cg.kernels; print('torch', torch.__version__, torch.cuda.get_device_name())" || exit 1
 export KIMI_CG_GPU_SUMMARY="$OUT/gpu_summary.json"
 status=0
+part=${1:-all}
+case "$part" in all|gpu|cpu) ;; *) echo "usage: $0 [all|gpu|cpu]" >&2; exit 2 ;; esac
+want() { [ "$part" = all ] || [ "$part" = "$1" ]; }
 # The core (CPU) suite under this machine's torch runs beside the GPU tests, on the CPU only
 # (dynamo's unbacked-integer handling differs between torch versions). Full logs go to $OUT as they
 # are written, so they come back even if the run hits its time limit.
-(CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=4 python3 -P -m pytest -q -p no:cacheprovider --durations=5 \
+core=
+want gpu && (CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=4 python3 -P -m pytest -q -p no:cacheprovider --durations=5 \
   tests/test_backend.py tests/test_runtime.py tests/test_models.py tests/test_resize.py tests/test_dynamo_settings.py \
   tests/test_soundness.py tests/test_diagnostics.py tests/test_seed_style.py > "$OUT/core_tests.txt" 2>&1) &
-core=$!
+want gpu && core=$!
 # Foreign towers (this machine's transformers) and the program fuzzer, in a second CPU process.
-(CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=4 python3 -P -m pytest -q -p no:cacheprovider --durations=5 \
+foreign=
+want cpu && (CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=4 python3 -P -m pytest -q -p no:cacheprovider --durations=5 \
   tests/test_foreign_towers.py tests/test_program_fuzz.py > "$OUT/foreign_tests.txt" 2>&1) &
-foreign=$!
+want cpu && foreign=$!
 # Runtime reliability (threads, weight changes, memory budget, bad inputs), in a third CPU process.
-(CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=4 python3 -P -m pytest -q -p no:cacheprovider --durations=5 \
+reliability=
+want cpu && (CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=4 python3 -P -m pytest -q -p no:cacheprovider --durations=5 \
   tests/test_reliability.py tests/test_split_video.py tests/test_options.py > "$OUT/reliability_tests.txt" 2>&1) &
-reliability=$!
+want cpu && reliability=$!
 # kimi_cg.testing and the debug dumps under this machine's torch, in a fourth CPU process.
-(CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=4 python3 -P -m pytest -q -p no:cacheprovider --durations=5 \
+testing=
+want cpu && (CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=4 python3 -P -m pytest -q -p no:cacheprovider --durations=5 \
   tests/test_testing.py tests/test_dumps.py > "$OUT/testing_dump_tests.txt" 2>&1) &
-testing=$!
-python3 -P -m pytest -v -p no:cacheprovider --durations=10 tests/test_gpu.py tests/test_kernels.py tests/test_varlen_attention.py \
+want cpu && testing=$!
+want gpu && { python3 -P -m pytest -v -p no:cacheprovider --durations=10 tests/test_gpu.py tests/test_kernels.py tests/test_varlen_attention.py \
   tests/test_data_parallel.py \
-  > "$OUT/gpu_tests.txt" 2>&1 || status=1
-tail -15 "$OUT/gpu_tests.txt"
-wait $core || status=1
-tail -8 "$OUT/core_tests.txt"
-wait $foreign || status=1
-tail -8 "$OUT/foreign_tests.txt"
-wait $reliability || status=1
-tail -8 "$OUT/reliability_tests.txt"
-wait $testing || status=1
-tail -8 "$OUT/testing_dump_tests.txt"
-python3 - "$KIMI_CG_GPU_SUMMARY" <<'PY'
+  > "$OUT/gpu_tests.txt" 2>&1 || status=1; tail -15 "$OUT/gpu_tests.txt"; }
+if [ -n "$core" ]; then wait $core || status=1; tail -8 "$OUT/core_tests.txt"; fi
+if [ -n "$foreign" ]; then wait $foreign || status=1; tail -8 "$OUT/foreign_tests.txt"; fi
+if [ -n "$reliability" ]; then wait $reliability || status=1; tail -8 "$OUT/reliability_tests.txt"; fi
+if [ -n "$testing" ]; then wait $testing || status=1; tail -8 "$OUT/testing_dump_tests.txt"; fi
+want gpu && python3 - "$KIMI_CG_GPU_SUMMARY" <<'PY'
 import json, sys
 try:
     data = json.load(open(sys.argv[1]))
