@@ -27,6 +27,26 @@ def _last_lifted(debug_dir) -> dict:
     return lifted[-1]
 
 
+def inject_call_error(item_row: list[int]) -> None:
+    """Like inject_call_limit, but a plain RuntimeError (as a bug inside kimi_cg would raise) from
+    fail_inside_the_lifted_program below."""
+    from kimi_cg.runtime.runner import LiftedRunner
+
+    run_lifted = LiftedRunner._run_lifted
+
+    def failing(self, args, record=None):
+        if any(isinstance(a, torch.Tensor) and a.dim() == 2 and not a.is_floating_point() and item_row in a.tolist()
+               for a in args):
+            fail_inside_the_lifted_program()
+        return run_lifted(self, args, record)
+
+    LiftedRunner._run_lifted = failing
+
+
+def fail_inside_the_lifted_program():
+    raise RuntimeError("an injected internal error")
+
+
 def inject_call_limit(item_row: list[int]) -> None:
     """Make kimi_cg's lifted programs raise a call-time limit ("injected limit") for any call whose grid
     holds ``item_row`` (other calls run as usual): a stand-in for a kimi_cg limit found at call time.

@@ -3,6 +3,7 @@ an index, only passes that changed something, errors recorded, and TORCH_TRACE a
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -19,7 +20,7 @@ import kimi_cg
 from kimi_cg.debug.dump import read_index
 from kimi_cg.errors import UnsupportedGraphError
 from kimi_cg.models import MoonVitConfig, MoonVitPretrainedModel
-from dumps import inject_call_limit
+from dumps import fail_inside_the_lifted_program, inject_call_error, inject_call_limit
 from test_soundness import ScalarIntoDeviceOp  # a grid value into a device op: kimi_cg cannot lift it
 
 GRIDS = ([[4, 6]], [[2, 8]], [[4, 4], [2, 2]], [[6, 2], [2, 4], [2, 2]])
@@ -182,6 +183,115 @@ def test_a_call_the_lifted_program_could_not_run_is_recorded(tmp_path, caplog, m
         and "injected" in result.stderr, result.stdout[-1000:] + result.stderr[-3000:]
 
 
+class ScaledByAnInt(torch.nn.Module):
+    """A plain int argument: once it changes between calls, dynamo makes it a graph input (a size)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x, grid, scale: int):
+        return self.lin(x) * scale, torch.nn.functional.pad((grid[:, 0] * grid[:, 1]).cumsum(0), (1, 0))
+
+
+def _run_with(repro: Path, call_limit: list[int]) -> subprocess.CompletedProcess:
+    """Run a dump's repro script in a fresh process with ``inject_call_limit(call_limit)`` applied."""
+    run = f"import dumps, runpy; dumps.inject_call_limit({call_limit!r}); runpy.run_path({str(repro)!r}, run_name='__main__')"
+    return subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, timeout=300, cwd=repro.parent,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent),
+                                                                                       os.environ.get("PYTHONPATH")]))))
+
+
+def test_a_call_that_fails_on_a_graph_with_an_int_argument_gets_a_repro(tmp_path, monkeypatch):
+    """The int argument is a graph input of the dynamic graph: call_repro.py passes the call's value."""
+    from kimi_cg.runtime.runner import LiftedRunner
+
+    monkeypatch.setattr(LiftedRunner, "_run_lifted", LiftedRunner._run_lifted)  # restored after the test
+    inject_call_limit([3, 3])
+    compiled = torch.compile(ScaledByAnInt(), backend="kimi_cg", options={"debug_dir": str(tmp_path)})
+    compiled(torch.randn(10, 8), torch.tensor([[2, 3], [2, 2]]), 2)
+    compiled(torch.randn(13, 8), torch.tensor([[3, 3], [2, 2]]), 3)  # the dynamic graph: a call-time failure
+    assert kimi_cg.counters["call_fallbacks"] == 1
+    (graph,) = [g for g in read_index(str(tmp_path)) if g.get("call_fallbacks")]
+    assert graph["compile_id"] == "0/1" and graph["call_fallbacks"] == {"injected limit": 1}
+    repro = Path(graph["path"]) / "call_repro.py"
+    assert repro.is_file(), (Path(graph["path"]) / "call_error.txt").read_text()[-1000:]
+    text = repro.read_text()
+    assert "dynamic=True" in text and "torch.tensor([[3, 3], [2, 2]]" in text and ", 3]" in text, text[-1500:]
+    result = _run_with(repro, [3, 3])
+    assert result.returncode != 0 and "UnsupportedGraphError: kimi_cg could not run this call lifted" in result.stderr \
+        and "injected" in result.stderr, result.stdout[-1000:] + result.stderr[-3000:]
+
+
+def test_a_call_failing_inside_kimi_cg_is_recorded_with_the_line_that_raised(tmp_path, monkeypatch):
+    """An error that carries no model line (an internal error, not a named compiler limit): the
+    record's reason names the line that raised it, file:line, as the warning does."""
+    from kimi_cg.runtime.runner import LiftedRunner
+
+    monkeypatch.setattr(LiftedRunner, "_run_lifted", LiftedRunner._run_lifted)  # restored after the test
+    inject_call_error([2, 2])
+    compiled = torch.compile(ScaledByAnInt(), backend="kimi_cg", options={"debug_dir": str(tmp_path)})
+    x, grid = torch.randn(10, 8), torch.tensor([[2, 3], [2, 2]])
+    for got, want in zip(compiled(x, grid, 2), ScaledByAnInt.forward(compiled._orig_mod, x, grid, 2), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)  # the captured graph ran it
+    (graph,) = read_index(str(tmp_path))
+    assert graph["call_fallbacks"] == {"lifted program failed (RuntimeError)": 1}
+    record = (Path(graph["path"]) / "call_error.txt").read_text()
+    line = inspect.getsourcelines(fail_inside_the_lifted_program)[1] + 1
+    assert record.startswith(f"lifted program failed (RuntimeError) at {inspect.getsourcefile(fail_inside_the_lifted_program)}"
+                             f":{line} (fail_inside_the_lifted_program)\n"), record[:500]
+    assert "RuntimeError: an injected internal error" in record and (Path(graph["path"]) / "call_repro.py").is_file()
+    call = json.loads((Path(graph["path"]).parent / "calls.jsonl").read_text().splitlines()[-1])
+    assert call["path"] == "captured graph" and call["reason"] == "lifted program failed: RuntimeError"
+
+
+def _doubled(x):
+    return x * 2
+
+
+class CallsALocalFunction(torch.nn.Module):
+    """Unliftable (a grid value into roll) and calling a function a script cannot import by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+        def doubled(x):  # a local function, kept whole in the graph: no script can import it
+            return _doubled(x)
+
+        self.doubled = torch._dynamo.allow_in_graph(doubled)
+
+    def forward(self, x, grid):
+        longest = (grid[:, 0] * grid[:, 1]).max().item()
+        return torch.roll(self.doubled(self.lin(x)), shifts=longest, dims=0)
+
+
+def test_a_failure_without_a_repro_says_why(tmp_path):
+    compiled = torch.compile(CallsALocalFunction(), backend="kimi_cg", options={"debug_dir": str(tmp_path)})
+    compiled(torch.randn(8, 8), torch.tensor([[2, 3], [1, 2]]))
+    (graph,) = read_index(str(tmp_path))
+    assert graph["status"].startswith("fell back") and "repro.py" not in graph["files"]
+    error = (Path(graph["path"]) / "error.txt").read_text()
+    assert re.search(r"no repro\.py: .*doubled.* cannot be imported", error), error[-1000:]
+
+
+def test_a_lift_failure_of_a_graph_with_an_int_argument_gets_a_repro(tmp_path):
+    class ScaledUnliftable(ScalarIntoDeviceOp):
+        def forward(self, x, grid, scale: int):
+            return super().forward(x, grid) * scale
+
+    compiled = torch.compile(ScaledUnliftable(), backend="kimi_cg", options={"debug_dir": str(tmp_path)})
+    compiled(torch.randn(8, 8), torch.tensor([[2, 3], [1, 2]]), 2)
+    compiled(torch.randn(11, 8), torch.tensor([[3, 3], [1, 2]]), 3)
+    graphs = read_index(str(tmp_path))
+    assert [g["compile_id"] for g in graphs] == ["0/0", "0/1"] and all(g["status"].startswith("fell back") for g in graphs)
+    repro = Path(graphs[1]["path"]) / "repro.py"
+    assert repro.is_file(), (Path(graphs[1]["path"]) / "error.txt").read_text()[-1000:]
+    result = subprocess.run([sys.executable, str(repro)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode != 0 and "UnsupportedGraphError: device op roll takes the grid-dependent value" in result.stderr, (
+        result.stdout[-1000:] + result.stderr[-3000:])
+
+
 def test_a_lift_failure_is_recorded_with_its_reason_and_named_in_the_warning(tmp_path, caplog):
     model = ScalarIntoDeviceOp()
     compiled = torch.compile(model, backend="kimi_cg", options={"debug_dir": str(tmp_path)})
@@ -309,18 +419,26 @@ def test_the_inductor_code_of_the_device_program_is_in_the_dump(tmp_path):
     assert "def call(" in code and "async_compile" in code  # Inductor's output module
 
 
-def test_the_dump_of_a_27_layer_tower_over_8_item_counts_stays_small(tmp_path):
-    """Before diffs and shared device programs (2026-11-30) this dump was 37.4 MB in 126 files
-    (27 unrolled layers, item counts 1..8, a full graph per pass); it must stay at least 3x smaller."""
+# The issue's measure of a dump's size: an unrolled 27-layer tiny tower warmed up over item counts 1..8
+# dumped 37.4 MB in 126 files before diffs and shared device programs (2026-11-30), 11.2 times the 3.35 MB
+# of its graphs as received (the 00_dynamo_graph.py files); the dump must stay at least 3x smaller than
+# that. 2026-12-01: 8.2 MB, 2.45 times its graphs, in 70 s on a 2-core machine: too slow for CI, so the
+# test below measures the same ratio on 4 layers over item counts 1..3 (10 s; 3.1 times, the fixed
+# per-graph files weighing more), where a dump writing each changed pass's graph in full measured 6.7.
+SIZE_BEFORE_OVER_GRAPHS = 37.4 / 3.35
+
+
+def test_a_dump_stays_at_least_3x_smaller_than_full_graphs_per_pass(tmp_path):
     torch.manual_seed(0)
-    model = MoonVitPretrainedModel(MoonVitConfig.tiny(num_hidden_layers=27)).eval()
+    model = MoonVitPretrainedModel(MoonVitConfig.tiny(num_hidden_layers=4)).eval()
     compiled = torch.compile(model, backend="kimi_cg", options={"debug_dir": str(tmp_path)})
-    grid = torch.tensor([[4, 4]])
     with torch.no_grad():
-        kimi_cg.warm_up(compiled, torch.randn(16, 3, 14, 14), grid, max_items=8)
+        kimi_cg.warm_up(compiled, torch.randn(16, 3, 14, 14), torch.tensor([[4, 4]]), max_items=3)
     graphs = read_index(str(tmp_path))
-    assert len(graphs) >= 9 and all(g["status"] == "lifted" for g in graphs)  # every item count, the first twice
+    assert len(graphs) >= 4 and all(g["status"] == "lifted" for g in graphs)  # every item count, the first twice
     files = [path for path in tmp_path.rglob("*") if path.is_file()]
-    size_mb = sum(path.stat().st_size for path in files) / 1e6
-    print(f"dump: {size_mb:.1f} MB in {len(files)} files, {len(graphs)} graphs")
-    assert size_mb <= 37.4 / 3, f"{size_mb:.1f} MB in {len(files)} files"
+    total = sum(path.stat().st_size for path in files)
+    received = sum(path.stat().st_size for path in files if path.name == "00_dynamo_graph.py")
+    assert received > 0 and all((Path(g["path"]) / "00_dynamo_graph.py").is_file() for g in graphs)
+    assert total / received <= SIZE_BEFORE_OVER_GRAPHS / 3, (
+        f"{total / 1e6:.2f} MB in {len(files)} files, {total / received:.2f} times the graphs received")

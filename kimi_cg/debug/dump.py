@@ -11,7 +11,11 @@ With ``debug_dir`` (option or ``KIMI_CG_DEBUG_DIR``)::
                                                        (a unified diff against the stage before)
             host_program.py, post_program.py, lift_report.json
             error.txt                                  why lifting failed (with the traceback)
-            repro.py                                   `python repro.py` raises that error again
+            repro.py                                   `python repro.py` raises that error again (when
+                                                       the graph cannot be written down: why not, in
+                                                       error.txt)
+            call_error.txt, call_repro.py              the same for the first call the lifted program
+                                                       could not run (the captured graph ran it)
         calls.jsonl                                    one record per call (NOTE [call records]): the
                                                        graph's compile id, replay of which bucket with
                                                        how much padding, split parts, plain program or
@@ -36,6 +40,8 @@ import traceback
 from typing import Any, Callable
 
 import torch
+
+from kimi_cg.debug.repro import ReproUnavailable
 
 MAX_CALL_RECORDS = 10_000
 _runs: dict[str, "_Run"] = {}  # debug root -> this process's run folder
@@ -177,19 +183,21 @@ class GraphDump:
         if self.run is not None:
             self.run.write_index()
 
-    def failed(self, error: BaseException, reason: str, where: str, repro: Callable[[], str | None] | None = None) -> str | None:
-        """Record why lifting failed (error.txt) and, when the graph can be written down, a repro.py
-        that raises the same error; returns the path of the error record (None when not dumping)."""
+    def failed(self, error: BaseException, reason: str, where: str, repro: Callable[[], str] | None = None) -> str | None:
+        """Record why lifting failed (error.txt) and a repro.py that raises the same error (when the
+        graph cannot be written down, error.txt ends with why not); returns the path of the error
+        record (None when not dumping)."""
         path = self._error_record("error.txt", f"{reason} at {where}\n\n", error, "repro.py", repro)
         self.update(status="fell back (runs unlifted)", reason=reason, where=where)
         return path
 
     def call_failed(self, error: BaseException, reason: str, where: str, grid: Any = None,
-                    repro: Callable[[], str | None] | None = None) -> str | None:
+                    repro: Callable[[], str] | None = None) -> str | None:
         """A call the lifted program could not run (the captured graph ran it): counted by reason in
-        the index (``call_fallbacks``); the first such call's error and grid go to call_error.txt and,
-        when the graph can be written down, call_repro.py (this call's inputs, strict=True: it raises
-        the same error). Returns the path of the error record (None when not dumping)."""
+        the index (``call_fallbacks``); the first such call's error and grid go to call_error.txt and
+        call_repro.py (this call's inputs, strict=True: it raises the same error; or, when the graph
+        cannot be written down, why not at the end of call_error.txt). Returns the path of the error
+        record (None when not dumping)."""
         with _lock:
             fallbacks = self.entry.setdefault("call_fallbacks", {})
             first = not fallbacks
@@ -203,7 +211,7 @@ class GraphDump:
         return path
 
     def _error_record(self, file_name: str, heading: str, error: BaseException, repro_name: str,
-                      repro: Callable[[], str | None] | None) -> str | None:
+                      repro: Callable[[], str] | None) -> str | None:
         """``file_name``: the heading and the error's traceback; ``repro_name``: the script ``repro``
         writes, when it can (why not, otherwise, at the end of the error record). Returns the error
         record's path (None when not dumping)."""
@@ -211,9 +219,12 @@ class GraphDump:
         if repro is not None and self.folder is not None:
             try:
                 script = repro()
+            except ReproUnavailable as why:
+                script = None
+                text += f"\n(no {repro_name}: {why})"
             except Exception as repro_error:  # noqa: BLE001 - a debugging aid must never change what runs
                 script = None
-                text += f"\n(no {repro_name}: {type(repro_error).__name__}: {repro_error})"
+                text += f"\n(no {repro_name}: writing it failed: {type(repro_error).__name__}: {repro_error})"
             if script is not None:
                 self.file(repro_name, lambda: script)
         self.file(file_name, lambda: text)

@@ -4,10 +4,12 @@ could not run, over that call's inputs): a standalone script that raises the sam
 The script holds the dynamo graph's code (as received), a module whose parameters stand for the
 graph's module state (random values of the recorded shapes and dtypes; integer state keeps its
 values), the call's other inputs (activations random of the recorded shapes, grids with their
-recorded values), and kimi_cg's options with ``strict=True``; running it compiles that module with
-``backend="kimi_cg"`` (``dynamic=True`` when the graph was dynamic) and calls it once. Input roles
-follow from types and sources (module state, integer grid, float activation), as kimi_cg assigns
-them, so the lift sees the same graph structure.
+recorded values, plain int arguments with theirs), and kimi_cg's options with ``strict=True``;
+running it compiles that module with ``backend="kimi_cg"`` (``dynamic=True`` when the graph was
+dynamic) and calls it once. Input roles follow from types and sources (module state, integer grid,
+float activation), as kimi_cg assigns them, so the lift sees the same graph structure. A graph that
+cannot be written down (a global no script can import, an input that is neither a tensor nor an int
+nor a size of one) raises ReproUnavailable saying which; the dump writes that in place of the script.
 """
 
 from __future__ import annotations
@@ -29,34 +31,46 @@ def placeholder_sources(gm: torch.fx.GraphModule) -> list[str | None]:
     return [source_name(node) for node in gm.graph.nodes if node.op == "placeholder"]
 
 
+class ReproUnavailable(Exception):
+    """Why no repro script could be written; the dump records the message in place of the script."""
+
+
 def repro_source(gm: torch.fx.GraphModule, inputs, example_inputs, config, title: str,
-                 sources: list[str | None] | None = None) -> str | None:
-    """The script's text, or None when a graph input or global cannot be written down. ``sources``:
-    ``placeholder_sources(gm)`` taken earlier (default: read now)."""
+                 sources: list[str | None] | None = None) -> str:
+    """The script's text; raises ReproUnavailable (saying which input or global) when the graph cannot
+    be written down. ``sources``: ``placeholder_sources(gm)`` taken earlier (default: read now)."""
     code = gm.graph.python_code(root_module="self")
     header = _imports(code.globals)
-    if header is None:
-        return None
     placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
     sources = sources if sources is not None else placeholder_sources(gm)
+    values = [example_inputs[item.index] if item.index < len(example_inputs) else None for item in inputs]
+    # Which placeholders the script passes as call inputs (input_0, input_1, ...), in graph order: the
+    # activations and grids, and plain int arguments (dynamo's source ``L['name']``).
+    call_positions: dict[int, int] = {}
+    for position, (item, source) in enumerate(zip(inputs, sources)):
+        if item.role in (InputRole.ACTIVATION, InputRole.GRID) or (
+                item.role is InputRole.SIZE and re.fullmatch(r"L\['\w+'\]", source or "")):
+            call_positions[position] = len(call_positions)
     call_args, state, call_inputs = [], [], []
     dynamic = False
-    for item, node in zip(inputs, placeholders):
-        value = example_inputs[item.index] if item.index < len(example_inputs) else None
+    for position, (item, node, value) in enumerate(zip(inputs, placeholders, values)):
+        source = sources[position]
         if item.role is InputRole.SIZE:
             dynamic = True
-            expression = _size_expression(sources[placeholders.index(node)], placeholders, inputs)
-            if expression is None:
-                return None
-            call_args.append(expression)
+            if position in call_positions:
+                call_inputs.append(repr(_int_value(value, node)))
+                call_args.append(f"input_{call_positions[position]}")
+            else:
+                call_args.append(_size_expression(source, node, sources, call_positions))
         elif not isinstance(value, torch.Tensor):
-            return None
+            raise ReproUnavailable(f"graph input {node.target} ({source or 'no source'}) is a {type(value).__name__}, "
+                                   "not a tensor or an int")
         elif item.role is InputRole.MODULE_STATE:
             state.append(_tensor_literal(value))
             call_args.append(f"self.state_{len(state) - 1}")
         else:
             call_inputs.append(_tensor_literal(value, keep_values=item.role is InputRole.GRID))
-            call_args.append(f"input_{len(call_inputs) - 1}")
+            call_args.append(f"input_{call_positions[position]}")
     options = {**dataclasses.asdict(config), "strict": True, "debug_dir": None}
     options = {key: list(value) if isinstance(value, tuple) else value for key, value in options.items()}
     parameters = "\n".join(f"        self.state_{i} = torch.nn.Parameter({literal}, requires_grad=False)"
@@ -99,7 +113,7 @@ if __name__ == "__main__":
 '''
 
 
-def _imports(globals_: dict) -> str | None:
+def _imports(globals_: dict) -> str:
     lines = []
     for name, value in sorted(globals_.items()):
         if name in ("torch", "__builtins__"):
@@ -114,23 +128,32 @@ def _imports(globals_: dict) -> str | None:
             lines.append(f"import {value.__module__} as _module_{name}")
             lines.append(f"{name} = _module_{name}.{value.__qualname__}")
         else:
-            return None
+            described = getattr(value, "__qualname__", None) or type(value).__name__
+            raise ReproUnavailable(f"the graph calls {name} ({described}), which cannot be imported by name "
+                                   "(a local function or class, or an object without a module)")
     return "\n".join(lines)
 
 
-def _size_expression(source: str | None, placeholders, inputs) -> str | None:
-    """``input_i.size(d)`` for a size placeholder whose dynamo source is ``L['x'].size()[d]``."""
-    match = re.fullmatch(r"L\['(\w+)'\]\.size\(\)\[(\d+)\]", source or "")
-    if match is None:
-        return None
-    local, dim = match.groups()
-    position = 0
-    for item, other in zip(inputs, placeholders):
-        if item.role in (InputRole.ACTIVATION, InputRole.GRID):
-            if other.target in (f"L_{local}_", f"l_{local}_"):
-                return f"input_{position}.size({dim})"
-            position += 1
-    return None
+def _size_expression(source: str | None, node: torch.fx.Node, sources: list[str | None],
+                     call_positions: dict[int, int]) -> str:
+    """``input_i.size(d)`` for a size placeholder whose dynamo source is ``<source of input i>.size()[d]``."""
+    match = re.fullmatch(r"(.+)\.size\(\)\[(\d+)\]", source or "")
+    if match is not None:
+        base, dim = match.groups()
+        for position, other in enumerate(sources):
+            if other == base and position in call_positions:
+                return f"input_{call_positions[position]}.size({dim})"
+    raise ReproUnavailable(f"size input {node.target} ({source or 'no source'}) is not a size of a call input")
+
+
+def _int_value(value, node: torch.fx.Node) -> int:
+    """The int an int argument had: the call's own, or the hint of the traced SymInt."""
+    if isinstance(value, int):
+        return value
+    hint = getattr(getattr(value, "node", None), "hint", None)
+    if isinstance(hint, int):
+        return hint
+    raise ReproUnavailable(f"int input {node.target} has no known value ({value!r})")
 
 
 def _tensor_literal(value: torch.Tensor, keep_values: bool = False) -> str:

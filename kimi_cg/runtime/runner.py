@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+import traceback
 import weakref
 
 import torch
@@ -127,7 +128,7 @@ class LiftedRunner:
         else:
             reason = f"lifted program failed ({type(error).__name__})"
         detail = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        where = getattr(error, "where", None) or "call time"
+        where = getattr(error, "where", None) or _raised_at(error)
         record = self._record_call_failure(error, reason, where, args)
         if record:
             detail += f" (dump: {record})"
@@ -325,6 +326,16 @@ def _copy_keeping_aliases(outputs: list, positions: list[int]) -> None:
             value = outputs[i]
             outputs[i] = torch.empty(0, dtype=value.dtype, device=value.device).set_(
                 storage, value.storage_offset(), value.shape, value.stride())
+
+
+def _raised_at(error: BaseException) -> str:
+    """``path:line (function)`` of the line that raised ``error`` (the innermost frame of its traceback),
+    for an error that names no model line (an internal error, not a named compiler limit)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return "call time"
+    frame = frames[-1]
+    return f"{frame.filename}:{frame.lineno} ({frame.name})"
 
 
 def _grids_of(args) -> list:
