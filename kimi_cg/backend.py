@@ -16,7 +16,7 @@ import weakref
 import torch
 
 from kimi_cg import capture, dynamo_settings
-from kimi_cg.canonicalize import (FuseGatherLayerNormPass, MergeGatherPass, RealRopePass, ScatterMergePass, SegmentAttentionPass,
+from kimi_cg.canonicalize import (FuseGatherLayerNormPass, GatherReducePass, MergeGatherPass, RealRopePass, ScatterMergePass, SegmentAttentionPass,
                                   SeparableResizePass)
 from kimi_cg.config import KimiCGConfig
 from kimi_cg.counters import counters, timings
@@ -79,6 +79,7 @@ def _lift(work: torch.fx.GraphModule, pristine: torch.fx.GraphModule, inputs, ac
     SeparableResizePass(dump)(work)
     SegmentAttentionPass(dump)(work)
     ScatterMergePass(dump)(work)
+    GatherReducePass(dump)(work)
     MergeGatherPass(dump)(work)
     FuseGatherLayerNormPass(dump)(work)
     RealRopePass(dump)(work)

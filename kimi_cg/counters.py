@@ -12,6 +12,8 @@ Keys (missing keys read as 0):
   state_content_checks        state tensors compared with their snapshot (NOTE [state tokens])
   state_snapshots_taken       state tensors seen new or changed (a new token, a new snapshot)
   graph_replays, captures     CUDA-graph replays and captures (CUDA runtime)
+  padded_runs                 calls run padded in a bucket without a captured graph (no CUDA, or the
+                              capture failed): the padded path without the replay
   eager_fallbacks             calls or items that ran the non-graphed device program
   padding_hazards             device programs that must not run on padded rows (NOTE [row locality]):
                               their calls run the non-graphed program
@@ -22,6 +24,8 @@ Keys (missing keys read as 0):
                               ``kimi_cg.fallbacks``)
   call_fallbacks              calls of a lifted graph that ran the captured graph instead (a call-time
                               compiler limit; reasons in ``kimi_cg.fallbacks``)
+  dynamic_shape_op_breaks     frames whose ops with data-dependent output sizes failed the full settings:
+                              traced with those ops as graph breaks since (NOTE [settings ladder])
   dynamo_setting_fallbacks    frames dynamo failed to trace with kimi_cg's settings (traced with its own since)
   dynamo_trace_failures       calls whose frame dynamo failed to trace for another reason (run eagerly)
   invalid_inputs              calls rejected with InvalidInputError (the captured graph rejected them too)

@@ -29,15 +29,29 @@ part of guards), so kimi_cg scopes them itself:
    (an item with a zero side makes empty tensors whose sizes dynamo cannot reason about; eager
    fails on them too). A frame whose code once traced with the settings has shown that they work
    for it: its failure is the call's, and only that call runs eagerly. A code that never traced
-   with them and fails ``DEMOTE_AFTER_FAILURES`` times is traced with dynamo's own settings from
-   then on (one invalid first request does not demote a tower for the life of the process). Both
-   are counted (``dynamo_trace_failures``, ``dynamo_setting_fallbacks``, ``kimi_cg.fallbacks``).
+   with them steps down a ladder (NOTE [settings ladder]) and, after ``DEMOTE_AFTER_FAILURES``
+   failures, is traced with dynamo's own settings from then on (one invalid first request does not
+   demote a tower for the life of the process). All are counted (``dynamo_trace_failures``,
+   ``dynamic_shape_op_breaks``, ``dynamo_setting_fallbacks``, ``kimi_cg.fallbacks``).
 4. One setting does persist, per thread, once a kimi_cg frame was compiled in it:
    ``recompile_limit`` is raised to at least 64. Dynamo keeps one graph per number of items N
    (plus the static first trace and the RoPE table's retrace); with the default 8 a serving mix of
    1..8+ images exhausts it and later calls silently run eager (seen on the H200). Dynamo checks this
    limit before any callback runs, so it cannot be scoped to one compile; it changes no trace, only
    how many graphs a frame may keep.
+
+NOTE [settings ladder]
+An op whose output size depends on data (``repeat_interleave`` by a tensor, ``nonzero``) gives a
+tensor of unbacked length. Code that then needs that length as a Python int fails under the full
+settings, e.g. transformers' Qwen2-VL / Qwen2.5-VL / GLM-4V towers: one attention segment per frame,
+``cu_seqlens = repeat_interleave(h * w, t).cumsum(0)`` and in every layer
+``torch.split(q, lengths.tolist())``: the number of pieces is a data value. With
+``capture_scalar_outputs`` alone dynamo breaks the graph at such an op instead: the op runs in
+dynamo's resume glue and the rest of the frame is one graph that takes its result as an input, so
+the segment count becomes an input size (guarded per count, as the item count already is). So a
+code that fails under the full settings for a data-dependent reason and never traced with them
+is traced with ``SCALAR_SETTINGS`` from its next call (``dynamic_shape_op_breaks``); only when that
+fails too, ``DEMOTE_AFTER_FAILURES`` failures in all, does it get dynamo's defaults.
 
 If the stack lookup of step 2 ever fails (a torch release that renames ``_compile``), kimi_cg
 frames trace with dynamo's defaults: correct, with graph breaks; ``kimi_cg.counters["graph_breaks"]``
@@ -69,12 +83,14 @@ from kimi_cg.fallback import record_fallback
 logger = logging.getLogger(__name__)
 
 DYNAMO_SETTINGS = {"capture_scalar_outputs": True, "capture_dynamic_output_shape_ops": True}
+SCALAR_SETTINGS = {"capture_scalar_outputs": True, "capture_dynamic_output_shape_ops": False}  # NOTE [settings ladder]
 MIN_RECOMPILE_LIMIT = 64
 
 DEMOTE_AFTER_FAILURES = 3
 
 _backends: list = []  # the kimi_cg backend function(s) whose compiles get the settings
 _traced_with_defaults: "weakref.WeakSet" = weakref.WeakSet()  # code objects that failed under the settings
+_traced_with_scalars: "weakref.WeakSet" = weakref.WeakSet()  # code objects on SCALAR_SETTINGS (NOTE [settings ladder])
 _traced_with_settings: "weakref.WeakSet" = weakref.WeakSet()  # code objects traced with them at least once
 _failures_with_settings: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # code -> data-dependent failures
 _codes_to_trace_again: "weakref.WeakSet" = weakref.WeakSet()  # failed codes dynamo marked SKIP
@@ -139,7 +155,7 @@ def _on_compile_start(_args) -> None:
     code = local_vars.get("code")
     if code is not None and code in _traced_with_defaults:
         return
-    patch = torch._dynamo.config.patch(**DYNAMO_SETTINGS)
+    patch = torch._dynamo.config.patch(**(SCALAR_SETTINGS if code is not None and code in _traced_with_scalars else DYNAMO_SETTINGS))
     patch.__enter__()
     _state.patch, _state.code, _state.error_at_start = patch, code, sys.exc_info()[1]
     from kimi_cg import attention_substitutes
@@ -170,7 +186,18 @@ def _on_compile_end(_args) -> None:
     failures = 0
     if code is not None and code not in _traced_with_settings and _caused_by_unbacked_values(error):
         failures = _failures_with_settings[code] = _failures_with_settings.get(code, 0) + 1
+    if failures == 1 and code not in _traced_with_scalars:
+        _traced_with_scalars.add(code)
+        counters["dynamic_shape_op_breaks"] += 1
+        counters["dynamo_trace_failures"] += 1
+        record_fallback("dynamo failed to trace this call", where, summary,
+                        "this call runs the frame eagerly; from the next call ops with data-dependent output sizes "
+                        "break its graph (NOTE [settings ladder])")
+        _suppress_errors_once()
+        _trace_again_next_call(error, code)
+        return
     if failures >= DEMOTE_AFTER_FAILURES:
+        _traced_with_scalars.discard(code)
         _traced_with_defaults.add(code)
         counters["dynamo_setting_fallbacks"] += 1
         record_fallback("dynamo failed with kimi_cg's settings", where, summary,
@@ -267,6 +294,7 @@ def _restore_suppress_errors() -> None:
 def clear() -> None:
     """Forget frames demoted to dynamo's defaults and restore suppress_errors (kimi_cg.reset())."""
     _traced_with_defaults.clear()
+    _traced_with_scalars.clear()
     _traced_with_settings.clear()
     _failures_with_settings.clear()
     _restore_suppress_errors()

@@ -91,7 +91,7 @@ class ScatterMergePass(GraphPass):
                 continue
             gathered = self._rewrite(graph, buffer, order)
             report["scatters_rewritten"] += 1
-            report["views_inferred"] += self._infer_view_sizes(graph, gathered)
+            report["views_inferred"] += infer_view_sizes(graph, gathered)
         return report
 
     @staticmethod
@@ -149,35 +149,36 @@ class ScatterMergePass(GraphPass):
         graph.erase_node(buffer)
         return gathered
 
-    @staticmethod
-    def _infer_view_sizes(graph: torch.fx.Graph, gathered: torch.fx.Node) -> int:
-        """``gathered.view(n, 4, -1)`` with n a grid value -> ``view(-1, 4, D)`` when n * 4 is the
-        gathered rows by construction (same symbolic expression), so the device op takes no grid value."""
-        rows, width = example_value(gathered).shape
-        done = 0
-        for view in list(gathered.users):
-            if not (view.op == "call_method" and view.target in ("view", "reshape")):
+
+def infer_view_sizes(graph: torch.fx.Graph, node: torch.fx.Node) -> int:
+    """``node.view(n, 4, -1)`` with n a grid value -> ``view(-1, 4, D)`` when the sizes multiply to
+    node's element count by construction (same symbolic expression), so the device op takes no grid
+    value. Returns how many views it rewrote."""
+    shape = example_value(node).shape
+    done = 0
+    for view in list(node.users):
+        if not (view.op == "call_method" and view.target in ("view", "reshape")):
+            continue
+        sizes = list(view.args[1:]) if not (len(view.args) == 2 and isinstance(view.args[1], (list, tuple))) else list(view.args[1])
+        grid_sized = [i for i, s in enumerate(sizes) if isinstance(s, torch.fx.Node) and _has_unbacked(example_value(s))]
+        if len(grid_sized) != 1:
+            continue
+        position = grid_sized[0]
+        known = [example_value(s) if isinstance(s, torch.fx.Node) else s for s in sizes]
+        inferred = [i for i, s in enumerate(known) if isinstance(s, int) and s == -1]
+        if len(inferred) > 1 or any(isinstance(s, torch.fx.Node) and i != position for i, s in enumerate(sizes)):
+            continue
+        symbolic = [sympy.sympify(s.node.expr if isinstance(s, torch.SymInt) else s) for s in known]
+        total = sympy.Mul(*[sympy.sympify(d.node.expr if isinstance(d, torch.SymInt) else d) for d in shape])
+        if inferred:  # two unknowns: the -1 must be a constant once the grid value cancels
+            others = sympy.Mul(*[v for i, v in enumerate(symbolic) if i != inferred[0]])
+            value = sympy.simplify(total / others)
+            if not value.is_Integer:
                 continue
-            sizes = list(view.args[1:]) if not (len(view.args) == 2 and isinstance(view.args[1], (list, tuple))) else list(view.args[1])
-            grid_sized = [i for i, s in enumerate(sizes) if isinstance(s, torch.fx.Node) and _has_unbacked(example_value(s))]
-            if len(grid_sized) != 1:
-                continue
-            position = grid_sized[0]
-            known = [example_value(s) if isinstance(s, torch.fx.Node) else s for s in sizes]
-            inferred = [i for i, s in enumerate(known) if isinstance(s, int) and s == -1]
-            if len(inferred) > 1 or any(isinstance(s, torch.fx.Node) and i != position for i, s in enumerate(sizes)):
-                continue
-            symbolic = [sympy.sympify(s.node.expr if isinstance(s, torch.SymInt) else s) for s in known]
-            total = sympy.sympify(rows.node.expr if isinstance(rows, torch.SymInt) else rows) * int(width)
-            if inferred:  # two unknowns: the -1 must be a constant once the grid value cancels
-                others = sympy.Mul(*[v for i, v in enumerate(symbolic) if i != inferred[0]])
-                value = sympy.simplify(total / others)
-                if not value.is_Integer:
-                    continue
-                sizes[inferred[0]] = int(value)
-            elif sympy.simplify(sympy.Mul(*symbolic) - total) != 0:
-                continue
-            sizes[position] = -1
-            view.args = (view.args[0], *sizes)
-            done += 1
-        return done
+            sizes[inferred[0]] = int(value)
+        elif sympy.simplify(sympy.Mul(*symbolic) - total) != 0:
+            continue
+        sizes[position] = -1
+        view.args = (view.args[0], *sizes)
+        done += 1
+    return done

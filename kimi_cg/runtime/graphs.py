@@ -540,6 +540,7 @@ class BucketedGraphs:
                 counters["graph_replays"] += 1
             else:
                 outputs = tuple(self.program(*self._arguments(bucket, inputs)))
+                counters["padded_runs"] += 1
             results = tuple(
                 out[:n].clone() if isinstance(out, torch.Tensor) and n is not None else out for out, n in zip(outputs, rows)
             )
