@@ -17,7 +17,7 @@ For each family:
    images, sides 8..64 patches; Kimi-K2.5 also with 20% video chunks) after bench.py's 10-request
    warm-up, for eager, torch.compile (Inductor, stock settings, dynamic shapes) and kimi_cg, all in this
    process. Speed-ups are ratios to eager in the same process; a pass stops at --stream-budget-s.
-Writes --out after every family.
+Writes --out after every step (fuzz, each system), so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -129,11 +129,13 @@ def time_stream(fn, make_inputs, grids, budget_s: float) -> dict:
     return result
 
 
-def run_family(family: str, args, device: str, dtype: torch.dtype) -> dict:
+def run_family(family: str, args, device: str, dtype: torch.dtype, report: dict, save) -> dict:
+    """Fills ``report`` step by step and calls ``save()`` after each step, so a run cut short by a time
+    limit keeps what it measured."""
     model, config = build(family, args.smoke_test_on_cpu, device, dtype)
     make_inputs = inputs_for(family, config, device, dtype)
     video = 0.2 if family == "kimi_k25" else 0.0
-    report: dict = {"family": family, "attn_implementation": "sdpa"}
+    report.update(family=family, attn_implementation="sdpa")
     if video and not takes_mixed_frame_counts(model, make_inputs):
         video = 0.0  # transformers 5.17's Kimi-K2.5 merger concatenates [h*w/4, t, 4] rows: one t per batch
         report["note"] = "images only: this transformers rejects a batch mixing frame counts"
@@ -154,6 +156,7 @@ def run_family(family: str, args, device: str, dtype: torch.dtype) -> dict:
         except kimi_cg.testing.MismatchError as failure:
             report["fuzz"] = {"mismatch": str(failure)[:4000], "counters": dict(kimi_cg.counters)}
         print(f"{family}: fuzz {report['fuzz'].get('examples', 'FAILED')} examples", flush=True)
+        save()
     count = 4 if args.smoke_test_on_cpu else args.requests
     warmup = bench.warmup_stream(seed=1, count=10, video_fraction=video)
     stream = bench.request_stream(seed=0, count=count, video_fraction=video)
@@ -183,6 +186,7 @@ def run_family(family: str, args, device: str, dtype: torch.dtype) -> dict:
                           "counters": dict(kimi_cg.counters) if system == "kimi_cg" else None}
         print(f"{family} {system}: warm-up {warm_s:.1f} s, W1 {report[system]['W1_ms']:.2f} ms, "
               f"W4 fresh {fresh['mean_ms']:.2f} ms/request", flush=True)
+        save()
     if "eager" in report:
         for system in ("inductor", "kimi_cg"):
             if system in report:
@@ -215,14 +219,18 @@ def main() -> None:
                "transformers": transformers.__version__,
                "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "families": {}}
     for family in args.families.split(","):
+        def save():
+            if args.out:
+                with open(args.out, "w") as handle:
+                    json.dump(results, handle, indent=1)
+
+        report = results["families"][family] = {}
         try:
-            results["families"][family] = run_family(family, args, device, dtype)
+            run_family(family, args, device, dtype, report, save)
         except Exception as error:  # one family failing must not lose the others' numbers
-            results["families"][family] = {"error": f"{type(error).__name__}: {error}"[:3000]}
+            report["error"] = f"{type(error).__name__}: {error}"[:3000]
             print(f"{family}: {type(error).__name__}: {error}", flush=True)
-        if args.out:
-            with open(args.out, "w") as handle:
-                json.dump(results, handle, indent=1)
+        save()
     failed = [f for f, r in results["families"].items() if "error" in r or "mismatch" in r.get("fuzz", {})]
     sys.exit(1 if failed else 0)
 
