@@ -12,7 +12,11 @@ its inputs in and pads:
   earlier work: padded rows never read uninitialised memory;
 - ``max_seqlen`` is C (the canonicalised program already uses the packed length);
 - gather plans (index [R, K], weight [R, K]): rows R..C-1 and frames K..max_frames-1 get index -1
-  (no contribution: the gather writes zeros and reads nothing), weight 0.
+  (no contribution: the gather writes zeros and reads nothing), weight 0;
+- a row index over groups of k rows (``x.reshape(L // k, k, D)[index]``: Qwen2.5-VL's window
+  permutation, its inverse): n = L / k real entries, checked in [-n, n) and made non-negative, then
+  the identity n..C/k-1, so padding groups read themselves; the size inputs that are its length get
+  C / k. k is the call's L / n, the same for every such index, and C must be a multiple of it.
 After the replay each output is sliced to the size the unpadded call would have (from the device
 program's symbolic output shapes) and cloned, so a later call never changes an earlier result.
 
@@ -53,7 +57,8 @@ def _packet(target):
 
 @dataclasses.dataclass(frozen=True)
 class InputRule:
-    kind: str  # "rows", "size", "static", "fixed", "cu_seqlens", "plan_index", "plan_weight", "unpadded"
+    kind: str  # "rows", "size", "static", "fixed", "cu_seqlens", "plan_index", "plan_weight", "row_index",
+    #            "index_size", "unpadded"
     shape: tuple[int, ...] | None = None  # "fixed": the shape every call's value has
 
 
@@ -82,8 +87,10 @@ def input_rules(program: DeviceProgram, kinds: list[str]) -> list[InputRule]:
             # call runs the plain program (never replayed with another call's values).
             if _is_segment_boundary(node):
                 rules.append(InputRule("cu_seqlens"))
-            elif _row_aligned(node, static_rows) and _only_gathers_with(node):
+            elif _row_aligned(node, static_rows, symbolic) and _only_gathers_with(node):
                 rules.append(InputRule("rows"))
+            elif _row_group_index(node, symbolic, static_rows):
+                rules.append(InputRule("row_index"))
             else:
                 rules.append(InputRule("unpadded"))
         else:
@@ -94,6 +101,8 @@ def input_rules(program: DeviceProgram, kinds: list[str]) -> list[InputRule]:
                 rules.append(InputRule("plan_weight"))
             elif _is_segment_boundary(node):
                 rules.append(InputRule("cu_seqlens"))
+            elif _row_group_index(node, symbolic, static_rows):
+                rules.append(InputRule("row_index"))
             elif _has_symbolic_trailing_dims(node):
                 # e.g. a dense [L, L] mask or bias made on the host: padding its rows alone would not
                 # fit the bucket; such calls run the plain device program (correct, not graphed).
@@ -103,8 +112,36 @@ def input_rules(program: DeviceProgram, kinds: list[str]) -> list[InputRule]:
         fixed = _fixed_shape(node) if rules[-1].kind in ("rows", "unpadded") else None
         if fixed is not None and (symbolic or (static_rows is not None and fixed[:1] != (static_rows,))):
             rules[-1] = InputRule("fixed", fixed)
+    # A size input that is a row-group index's length (and not the rows) is that index's C / k.
+    lengths = {_expr(_leading_size(node)) for node, rule in zip(placeholders, rules) if rule.kind == "row_index"}
+    rows_exprs = {_expr(size) for size in symbolic}
+    for position, (node, rule) in enumerate(zip(placeholders, rules)):
+        value = example_value(node)
+        if rule.kind == "size" and isinstance(value, torch.SymInt) and _expr(value) in lengths - rows_exprs:
+            rules[position] = InputRule("index_size")
     return rules
 
+
+def _expr(size):
+    return size.node.expr if isinstance(size, torch.SymInt) else size
+
+
+def _row_group_index(node: torch.fx.Node, row_sizes: list, static_rows=None) -> bool:
+    """A 1-D integer tensor of symbolic length other than the rows that only indexes the leading dim of
+    tensors of symbolic length (NOTE [padding rules]: a row index over groups of k rows). That those
+    tensors are row data as long as the index, for any row count, is the row-locality check's to prove
+    (runtime/row_locality.py runs the program at two row counts). In dynamo's static first trace
+    (``static_rows``) every size is a number and nothing is padded: the index is its call's as is."""
+    size = _leading_size(node)
+    if size is None or isinstance(size, int) or _expr(size) in {_expr(s) for s in row_sizes}:
+        return False
+    if not _only_gathers_with(node):
+        return False
+    for user in node.users:  # the indexed tensor has as many leading entries as the index
+        table = example_value(user.args[0]) if user.op == "call_function" and user.target is operator.getitem else None
+        if not (isinstance(table, torch.Tensor) and table.dim() >= 1 and (static_rows is not None or not isinstance(table.shape[0], int))):
+            return False
+    return True
 
 def _is_segment_boundary(node: torch.fx.Node) -> bool:
     """The node feeds a registered varlen attention as its segment boundaries (kimi_cg/varlen_registry.py)."""
@@ -122,10 +159,15 @@ def _leading_size(node: torch.fx.Node):
     return value.shape[0] if isinstance(value, torch.Tensor) and value.dim() >= 1 else None
 
 
-def _row_aligned(node: torch.fx.Node, static_rows) -> bool:
-    """One entry per packed row: a symbolic leading size, or the static first trace's row count."""
+def _row_aligned(node: torch.fx.Node, static_rows, row_sizes) -> bool:
+    """One entry per packed row: the activations' symbolic leading size, or the static first trace's
+    row count."""
     size = _leading_size(node)
-    return size is not None and (not isinstance(size, int) or size == static_rows)
+    if size is None:
+        return False
+    if isinstance(size, int):
+        return size == static_rows
+    return _expr(size) in {_expr(s) for s in row_sizes}
 
 
 def _fixed_shape(node: torch.fx.Node) -> tuple[int, ...] | None:
@@ -147,7 +189,7 @@ def _only_gathers_with(node: torch.fx.Node) -> bool:
         return isinstance(table, torch.Tensor) and table.dim() >= 1 and not (isinstance(table.shape[0], int) and table.shape[0] == 0)
 
     for user in node.users:
-        if user.op == "call_function" and user.target is operator.getitem and user.args[1] is node:
+        if user.op == "call_function" and user.target is operator.getitem and _indexes_leading_dim(user.args[1], node):
             table = user.args[0]
         elif user.op == "call_function" and user.target in (torch.index_select, torch.Tensor.index_select) and (
                 len(user.args) == 3 and user.args[1] == 0 and user.args[2] is node):
@@ -191,6 +233,15 @@ class _Bucket:
         self.inputs: list = []
         self.outputs: tuple = ()
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.identity: dict = {}  # row_index input position -> arange(C / k), the padding's entries
+
+
+def _indexes_leading_dim(index, node) -> bool:
+    """``index`` is ``node`` or ``(node, :, ..., :)``: a gather along the leading dim only."""
+    if index is node:
+        return True
+    full = slice(None, None, None)
+    return isinstance(index, tuple) and len(index) >= 1 and index[0] is node and all(item == full for item in index[1:])
 
 
 class BucketedGraphs:
@@ -203,6 +254,8 @@ class BucketedGraphs:
         # Per-call loops skip the static inputs (the weights, hundreds of them): they need no copy.
         self.padded = [(i, rule) for i, rule in enumerate(rules) if rule.kind != "static"]
         self.row_positions = [i for i, rule in self.padded if rule.kind == "rows"]
+        self.group_index_positions = [i for i, rule in self.padded if rule.kind == "row_index"]
+        self.group = None  # k of NOTE [padding rules]'s row-group indices, set at the first call
         self.capacities = buckets
         self.max_segments = max_items + 1  # real segments plus the trailing padding segment
         self.max_frames = max_frames
@@ -237,6 +290,11 @@ class BucketedGraphs:
 
     def check_padding(self, inputs) -> str | None:
         """Why this program must not run on padded rows (NOTE [row locality]), or None; decided once."""
+        if self.group_index_positions and self.group is None and self.hazard is None:
+            self.hazard = self._group_size(inputs)
+            if self.hazard is not None:
+                counters["padding_hazards"] += 1
+                return self.hazard
         if not self._hazard_checked:
             from kimi_cg.runtime.row_locality import padding_hazard
 
@@ -248,6 +306,25 @@ class BucketedGraphs:
                 counters["padding_hazards"] += 1
                 logger.info("kimi_cg: a device program runs unpadded, without CUDA graphs: %s", self.hazard)
         return self.hazard
+
+    def _group_size(self, inputs) -> str | None:
+        """Sets ``group`` (rows per entry of the row-group indices) from this call, or says why not."""
+        rows = self._patches(inputs)
+        groups = {rows // inputs[i].shape[0] if inputs[i].shape[0] and rows % inputs[i].shape[0] == 0 else None
+                  for i in self.group_index_positions}
+        if len(groups) != 1 or None in groups:
+            return "an index whose length does not divide the rows, or two indices over different groups"
+        self.group = groups.pop()
+        return None
+
+    def _index_in_range(self, inputs) -> bool:
+        for i in self.group_index_positions:
+            value = inputs[i]
+            if value.numel():
+                low, high = torch.aminmax(value)
+                if int(low) < -value.shape[0] or int(high) >= value.shape[0]:
+                    return False  # eager raises: the plain program does too
+        return True
 
     def choose(self, inputs) -> int | None:
         """The smallest bucket this call fits, or None (then the caller runs the plain program)."""
@@ -269,6 +346,12 @@ class BucketedGraphs:
                 needed = max(needed, value.shape[0])
             if rule.kind == "rows" and value.shape[0] != rows:
                 return None  # host metadata that is not row-aligned with the patches
+            if rule.kind == "row_index" and value.shape[0] * self.group != rows:
+                return None
+        if self.group_index_positions:
+            if not self._index_in_range(inputs):
+                return None
+            return next((c for c in self.capacities if c >= needed and c % self.group == 0), None)
         return next((c for c in self.capacities if c >= needed), None)
 
     def split(self, inputs, sort: bool = True) -> "SplitPlan | None":
@@ -285,7 +368,7 @@ class BucketedGraphs:
         averaged), not its patch rows (t * h * w), and both ratios can be whole numbers."""
         cu_positions = [i for i, r in enumerate(self.rules) if r.kind == "cu_seqlens"]
         # A fixed-shape input is the whole call's (a table, the grid): not cut per item, so no split.
-        if not cu_positions or any(r.kind in ("unpadded", "fixed") for r in self.rules) or self.check_padding(inputs) is not None:
+        if not cu_positions or any(r.kind in ("unpadded", "fixed", "row_index") for r in self.rules) or self.check_padding(inputs) is not None:
             return None
         cu = inputs[cu_positions[0]]
         if any(not torch.equal(inputs[i].cpu(), cu.cpu()) for i in cu_positions[1:]):
@@ -392,6 +475,10 @@ class BucketedGraphs:
                 static.append(None)  # the call's own weights (a capture reads them at their address)
             elif rule.kind == "size":
                 static.append(capacity)
+            elif rule.kind == "index_size":
+                static.append(capacity // self.group)
+            elif rule.kind == "row_index":
+                static.append(torch.arange(capacity // self.group, dtype=value.dtype, device=device))
             elif rule.kind == "rows":
                 static.append(torch.zeros((capacity, *value.shape[1:]), dtype=value.dtype, device=device))
             elif rule.kind == "fixed":
@@ -419,6 +506,10 @@ class BucketedGraphs:
                 static[rows:].zero_()
             elif rule.kind == "fixed":
                 static.copy_(value, non_blocking=True)
+            elif rule.kind == "row_index":
+                count = value.shape[0]
+                static[:count].copy_(torch.where(value < 0, value + count, value), non_blocking=True)
+                static[count:].copy_(bucket.identity[i][count:], non_blocking=True)  # padding groups read themselves
             elif rule.kind == "cu_seqlens":
                 count = value.shape[0]
                 static[:count].copy_(value, non_blocking=True)
@@ -443,6 +534,7 @@ class BucketedGraphs:
                 bucket = _Bucket(capacity)
                 try:
                     bucket.inputs = self._allocate(capacity, inputs)
+                    bucket.identity = {i: bucket.inputs[i].clone() for i in self.group_index_positions}
                     if self.capture:
                         self._capture(bucket, inputs)
                 except torch.OutOfMemoryError as error:

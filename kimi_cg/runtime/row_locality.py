@@ -82,11 +82,11 @@ def _shapes(gm: torch.fx.GraphModule, rules, inputs, scale: int) -> dict:
     padded sizes (rows and merge-plan rows) multiplied by ``scale``: shapes only, nothing computed."""
     args = []
     for rule, value in zip(rules, inputs):
-        if rule.kind == "size":
+        if rule.kind in ("size", "index_size"):
             args.append(value * scale)
         elif isinstance(value, torch.Tensor):
             shape = list(value.shape)
-            if rule.kind in ("rows", "plan_index", "plan_weight") and shape:
+            if rule.kind in ("rows", "plan_index", "plan_weight", "row_index") and shape:
                 shape[0] *= scale
             args.append(torch.empty(shape, dtype=value.dtype, device="meta"))
         else:
@@ -139,6 +139,7 @@ def padding_hazard(gm: torch.fx.GraphModule, rules, inputs) -> str | None:
         return f"the program does not run on meta tensors ({type(error).__name__}: {str(error)[:200]})"
     shapes = _Shapes(small, large)
     segment_inputs = {node for node, rule in zip(placeholders, rules) if rule.kind == "cu_seqlens"}
+    group_indices = {node for node, rule in zip(placeholders, rules) if rule.kind == "row_index"}
     tainted = set(row_inputs)
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method") or is_size_query(node):
@@ -146,10 +147,14 @@ def padding_hazard(gm: torch.fx.GraphModule, rules, inputs) -> str | None:
         inputs_ = [arg for arg in node.all_input_nodes if arg in tainted]
         if not inputs_:
             continue
-        problem = _check(node, inputs_, shapes, segment_inputs)
+        problem = _check(node, inputs_, shapes, segment_inputs, group_indices)
         if problem is not None:
             return f"{problem}: {_name(node)} at {source_location(node)}"
         tainted.add(node)
+    for index in group_indices:  # padded with the identity: only a permutation of row groups may read it
+        for user in index.users:
+            if user not in tainted:
+                return f"a row-group index into a tensor without rows: {_name(user)} at {source_location(user)}"
     return None
 
 
@@ -177,7 +182,7 @@ class _Shapes:
         return math.prod(a[:axis]), math.prod(b[:axis])
 
 
-def _check(node, inputs, shapes: _Shapes, segment_inputs) -> str | None:
+def _check(node, inputs, shapes: _Shapes, segment_inputs, group_indices=frozenset()) -> str | None:
     name = _name(node)
     if node.op == "call_function" and node.target is operator.getitem and not shapes.is_tensor(node.args[0]):
         return None  # an element of a split / unbind tuple: checked at the op that made it
@@ -219,6 +224,8 @@ def _check(node, inputs, shapes: _Shapes, segment_inputs) -> str | None:
         # merged or split, never spread across another axis.
         return None if shapes.leading(first, axis_in) == shapes.leading(node, axis) else "a reshape that moves rows across axes"
     if name == "getitem" and not tuple_out:
+        if _is_group_permutation(node, inputs, axis_in, shapes, group_indices):
+            return None
         return _check_getitem(node, inputs, axis_in, rank_in)
     if tuple_out and name not in ("split", "chunk", "unbind", "split_with_sizes", "tensor_split"):
         return "an op not known to keep rows apart"
@@ -288,6 +295,21 @@ def _eval_dropout(node) -> bool:
     p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
     training = node.args[2] if len(node.args) > 2 else node.kwargs.get("training", True)
     return p == 0 or training is False
+
+
+def _is_group_permutation(node, inputs, axis_in, shapes: _Shapes, group_indices) -> bool:
+    """``rows[index]`` (or ``rows[index, :, ...]``) with ``index`` a row-group index input as long as
+    the row axis in both runs: real entries lie in the real groups (checked per call), padding
+    entries are the identity (NOTE [padding rules] in runtime/graphs.py), so rows stay apart."""
+    base, index = node.args
+    if base not in inputs or axis_in != 0:
+        return False
+    first = index[0] if isinstance(index, tuple) and index else index
+    full = slice(None, None, None)
+    if first not in group_indices or (isinstance(index, tuple) and any(item != full for item in index[1:])):
+        return False
+    return all(shapes.small[first][0] == shapes.small[base][0] and shapes.large[first][0] == shapes.large[base][0]
+               for _ in (0,))
 
 
 def _check_getitem(node, inputs, axis_in, rank) -> str | None:
