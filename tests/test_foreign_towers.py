@@ -72,8 +72,8 @@ GRIDS = {
 }
 
 # Towers whose every graph with activations lifts (no lift fallback, no call fallback) on these grids:
-# a ratchet, so a change that stops lifting one fails here. The rest still fall back somewhere
-# (docs/design.md, "Foreign towers": segment counts that depend on t, the flash stand-in's asserts).
+# a ratchet, so a change that stops lifting one fails here. Kimi-VL's MoonViT with the flash stand-in
+# needs its op registered (test_a_registered_flash_op_takes_max_seqlen_as_an_upper_bound).
 NO_LIFT_FALLBACK = {f"{name}-{attn}" for name in ("kimi_k25", "qwen2_vl", "qwen2_5_vl", "glm4v", "upstream_moonvit")
                     for attn in ("sdpa", "eager")}
 
