@@ -28,7 +28,7 @@ from kimi_cg.lift import source_location, split
 from kimi_cg.runtime.graphs import BucketedGraphs, input_rules
 from kimi_cg.runtime.runner import LiftedRunner
 from kimi_cg.debug import report_graph_break, write_lift_report
-from kimi_cg.debug.dump import GraphDump, frame_of, start_graph
+from kimi_cg.debug.dump import tensor_op_count, GraphDump, frame_of, start_graph
 from kimi_cg.debug.repro import placeholder_sources, repro_source
 
 logger = logging.getLogger(__name__)
@@ -98,7 +98,8 @@ def _lift(work: torch.fx.GraphModule, pristine: torch.fx.GraphModule, inputs, ac
         write_lift_report(dump, lifted, host, device, inputs, device_input_kinds(lifted, inputs))
     except Exception:  # noqa: BLE001 - a debugging aid must never change what runs
         logger.warning("kimi_cg: writing the lift report failed (the graph is lifted regardless)", exc_info=True)
-    dump.update(status="lifted", device_program=device.key)
+    dump.update(status="lifted", device_program=device.key,
+                device_ops=tensor_op_count(lifted.device.gm) if dump.enabled else None)
     if dump.enabled and device.compiler == "inductor":  # its Inductor code is written when it compiles
         if device.inductor_code is not None:
             dump.shared_file("device_programs", f"{device.key}.inductor", lambda: device.inductor_code,

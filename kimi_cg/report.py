@@ -3,7 +3,7 @@
 DIR is a ``debug_dir`` (its latest run folder is read) or one run folder. Prints what was compiled
 (graphs by compile id and frame), what was lifted, what fell back and why (file:line, the error
 record), how calls ran (replays by bucket with padding, splits, plain program, captured graph, by
-reason) and the slowest calls.
+reason), how many tensor ops ran inside replayed graphs and outside, and the slowest calls.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ def summarize(folder: str, slowest: int = 5) -> str:
         if replays:
             padding = sum(call["padding"] for call in replays) / max(1, sum(call["bucket"] for call in replays))
             lines.append(f"  padding in replays: {100 * padding:.1f}% of bucket rows")
+        lines.extend(_device_ops(graphs, calls))
         lines.append(f"slowest {min(slowest, len(calls))} calls (host wall clock, ms):")
         for call in sorted(calls, key=lambda call: -call.get("total_ms", 0))[:slowest]:
             rows = "" if call.get("rows") is None else f", {call['rows']} rows"
@@ -56,6 +57,31 @@ def summarize(folder: str, slowest: int = 5) -> str:
     else:
         lines.append("calls: none recorded")
     return "\n".join(lines)
+
+
+def _device_ops(graphs: list, calls: list) -> list[str]:
+    """Tensor ops the recorded calls ran inside replayed CUDA graphs vs outside (unlifted graphs,
+    plain device programs, captured graphs), from each graph's op counts in the index."""
+    by_id = {graph["compile_id"]: graph for graph in graphs}
+    inside, outside = 0, collections.Counter()
+    for call in calls:
+        graph = by_id.get(call.get("compile_id"), {})
+        lifted_ops = graph.get("device_ops", graph.get("tensor_ops", 0))
+        if call.get("path") in ("replay", "split"):
+            inside += lifted_ops
+        elif call.get("path") == "plain program":
+            outside[call.get("compile_id")] += lifted_ops
+        else:  # the graph as dynamo captured it
+            outside[call.get("compile_id")] += graph.get("tensor_ops", 0)
+    total = inside + sum(outside.values())
+    if not total:
+        return []
+    lines = [f"  device ops: {inside} inside replayed graphs, {sum(outside.values())} outside "
+             f"({100 * inside / total:.1f}% inside)"]
+    if outside:
+        worst = ", ".join(f"[{cid}] {n}" for cid, n in outside.most_common(3))
+        lines.append(f"    outside, most by graph: {worst}")
+    return lines
 
 
 def _describe_path(call: dict) -> str:

@@ -111,6 +111,12 @@ def test_report_command_summarises_a_dump(served):
     assert "replay of bucket 256" in text and "split into 2 parts" in text and "plain program (no bucket fits)" in text
     assert "unlifted graph (grid-dependent value reaches a device op)" in text and "calls: 5 recorded" in text
     assert "slowest" in text
+    # Tensor ops inside replayed graphs (2 replays, a split) vs outside (the plain call, the unlifted graph).
+    graphs = {g["compile_id"]: g for g in read_index(str(served))}
+    inside = sum(graphs[cid]["device_ops"] for cid in ("0/0", "0/1", "0/2"))
+    outside = graphs["0/3"]["device_ops"] + graphs["1/0"]["tensor_ops"]
+    assert inside > 0 and graphs["1/0"]["tensor_ops"] > 0
+    assert f"device ops: {inside} inside replayed graphs, {outside} outside" in text, text
     missing = subprocess.run([sys.executable, "-m", "kimi_cg.report", str(served / "nothing")], capture_output=True,
                              text=True, timeout=120)
     assert missing.returncode == 2 and "no kimi_cg dump" in missing.stderr

@@ -242,6 +242,34 @@ class GraphDump:
             self.entry["files"].append(file_name)
 
 
+def tensor_op_count(gm: torch.fx.GraphModule) -> int:
+    """Ops of ``gm`` that produce tensors: the device work of a graph run as captured (kimi_cg.report
+    compares the ops calls ran inside replayed graphs with those they ran outside)."""
+    from kimi_cg.capture import example_value
+
+    count = 0
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_method", "call_module"):
+            value = example_value(node)
+            if value is None and "example_value" not in node.meta and "val" not in node.meta:
+                value = _made_by_a_pass(node)
+            if isinstance(value, torch.Tensor) or (isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value)):
+                count += 1
+    return count
+
+
+def _made_by_a_pass(node: torch.fx.Node):
+    """A node a rewrite created carries no example value: a tensor op unless it takes an element of a
+    tuple or a size."""
+    import operator
+
+    from kimi_cg.lift import is_size_query
+
+    if is_size_query(node) or (node.op == "call_function" and node.target is operator.getitem):
+        return None
+    return torch.empty(0)
+
+
 def start_graph(debug_dir: str | None, gm: torch.fx.GraphModule, frame: str, grid: Any = None) -> GraphDump:
     """The dump of the graph dynamo is compiling now (a no-op object without debug_dir or TORCH_TRACE)."""
     run = None
@@ -251,7 +279,7 @@ def start_graph(debug_dir: str | None, gm: torch.fx.GraphModule, frame: str, gri
             if run is None or not os.path.isdir(run.folder):
                 run = _runs[debug_dir] = _Run(debug_dir)
     dump = GraphDump(run, gm, current_compile_id(), frame)
-    dump.update(model=model_of(), grid=grid, graph_break=_graph_break_reason(gm))
+    dump.update(model=model_of(), grid=grid, graph_break=_graph_break_reason(gm), tensor_ops=tensor_op_count(gm) if dump.enabled else None)
     dump.stage("dynamo_graph", lambda: gm.print_readable(print_output=False))
     return dump
 
