@@ -11,15 +11,6 @@ from kimi_cg.errors import UnsupportedGraphError
 BUCKETS = {"cuda_graphs": True, "token_budgets": [32, 64, 128, 256]}
 
 
-@pytest.fixture(autouse=True)
-def fresh():
-    torch._dynamo.reset()
-    kimi_cg.reset()
-    yield
-    torch._dynamo.reset()
-    kimi_cg.reset()
-
-
 @pytest.mark.parametrize("dim", [1, 2, -2])
 @pytest.mark.parametrize("mean", [True, False])
 def test_reduce_plan_computes_what_indexing_and_reduction_compute(dim, mean):

@@ -9,15 +9,6 @@ import kimi_cg
 BUCKETS = {"cuda_graphs": True, "token_budgets": [32, 64, 128, 256]}
 
 
-@pytest.fixture(autouse=True)
-def fresh():
-    torch._dynamo.reset()
-    kimi_cg.reset()
-    yield
-    torch._dynamo.reset()
-    kimi_cg.reset()
-
-
 class GroupPermutation(torch.nn.Module):
     """Per item [h, w]: its 2 x 2 groups in reverse order, a row-local step, then back (argsort)."""
 
