@@ -133,7 +133,7 @@ class DeviceProgram:
         if self._output_rows is None:
             self._output_rows = _output_row_expressions(self.gm, inputs, self.host_inputs)
         symbols, expressions = self._output_rows
-        signature = tuple(inputs[i].shape[d] for i, d in symbols.values())
+        signature = tuple(int(inputs[i]) if d is None else inputs[i].shape[d] for i, d in symbols.values())
         rows = self.output_rows_by_shape.get(signature)
         if rows is None:
             values = dict(zip(symbols, signature))
@@ -187,9 +187,23 @@ def _fake_inputs(gm: torch.fx.GraphModule, inputs, host_inputs: frozenset[int]):
                     fakes[position] = fake.shape[0]
                     break
         else:
-            raise UnsupportedGraphError(f"device program input {node.name}={symbol} is not the size of a tensor input",
-                                        "device input size not from a tensor")
+            # A size passed on its own (transformers' ``seq_len`` argument): a symbol of its own, related
+            # to the tensors' sizes by the guards the ops add while tracing, as the tensor sizes are;
+            # output_rows reads its value from the input itself. (The bucketed path pads it only when it
+            # is the call's row count: BucketedGraphs.choose.)
+            fakes[position] = _own_symbol(shape_env, inputs[position], node.name)
     return fake_mode, fakes
+
+
+def _own_symbol(shape_env, value, name: str):
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic
+
+    if not isinstance(value, int):
+        raise UnsupportedGraphError(f"device program input {name}={value!r} is not an int", "device input size not an int")
+    source = ConstantSource(f"kimi_cg_size_{name}")
+    symbol = shape_env.create_symbol(value, source, dynamic_dim=DimDynamic.DYNAMIC)
+    return shape_env.create_symintnode(symbol, hint=value, source=source)
 
 
 def _source_of(modules) -> str | None:
@@ -225,6 +239,9 @@ def _output_row_expressions(gm: torch.fx.GraphModule, inputs, host_inputs: froze
             for dim, size in enumerate(fake.shape):
                 if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
                     symbols.setdefault(size.node.expr, (position, dim))
+    for position, fake in enumerate(fakes):  # a size input with a symbol of its own: its value
+        if isinstance(fake, torch.SymInt) and fake.node.expr.is_Symbol:
+            symbols.setdefault(fake.node.expr, (position, None))
     expressions = []
     for output in outputs:
         if isinstance(output, torch.Tensor) and output.dim():

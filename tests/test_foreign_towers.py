@@ -154,9 +154,9 @@ REPLAYS_EVERY_CALL = {"kimi_k25", "qwen2_vl", "qwen2_5_vl", "glm4v"}
 # per-frame `repeat_interleave` (NOTE [settings ladder] in kimi_cg/dynamo_settings.py), and the rest
 # of the tower (patch embedding, every layer, the merger) is one piece.
 # Qwen2.5-VL's first calls run its forward eagerly (NOTE [settings ladder]); dynamo then traces the
-# nested permute_input_for_window_attn on its own, whose seq_len argument is a size no tensor input
-# has: the lifted program cannot be compiled for it (device_program._fake_inputs) and those calls run
-# the captured graph. Once the forward is traced, every call replays.
+# nested permute_input_for_window_attn on its own, called with tensors of two widths (dynamic trailing
+# size, no static bucket buffer) and a seq_len argument: those calls run the plain device program. Once
+# the forward is traced, every call replays.
 FALLBACKS_WHILE_TRACING = {"qwen2_5_vl"}
 DEVICE_CALLS_PER_CALL = {"kimi_k25": 2, "qwen2_vl": 1, "qwen2_5_vl": 1, "glm4v": 1}
 
@@ -178,11 +178,8 @@ def test_bucketed_path_matches_eager(tower_name):
             assert g.shape == w.shape and not torch.isnan(g).any(), f"output {index} for {grid}"
             error = relative_error(g, w)
             assert error <= RELATIVE_TOLERANCE, f"output {index} for {grid}: {error:.3e}; {dict(kimi_cg.counters)}"
-    assert kimi_cg.counters["lift_fallbacks"] == 0, dict(kimi_cg.counters)
-    if tower_name not in FALLBACKS_WHILE_TRACING:
-        assert kimi_cg.counters["call_fallbacks"] == 0, dict(kimi_cg.counters)
+    assert kimi_cg.counters["lift_fallbacks"] == kimi_cg.counters["call_fallbacks"] == 0, dict(kimi_cg.counters)
     last_call = {k: kimi_cg.counters[k] - n for k, n in fallbacks.items()}  # traced by then
-    assert last_call["call_fallbacks"] == 0, dict(kimi_cg.counters)
     if tower_name in REPLAYS_EVERY_CALL:  # no call ran unpadded (the last one, or none at all)
         assert last_call["eager_fallbacks"] == 0, dict(kimi_cg.counters)
         assert tower_name in FALLBACKS_WHILE_TRACING or kimi_cg.counters["eager_fallbacks"] == 0, dict(kimi_cg.counters)

@@ -75,7 +75,9 @@ def input_rules(program: DeviceProgram, kinds: list[str]) -> list[InputRule]:
     rules = []
     for node, kind in zip(placeholders, kinds):
         if kind == "activation":
-            rules.append(InputRule("rows"))
+            # A float input whose trailing sizes vary too (one frame called with tensors of two widths)
+            # does not fit one static buffer per bucket.
+            rules.append(InputRule("unpadded" if _has_symbolic_trailing_dims(node) else "rows"))
         elif kind == "state":
             rules.append(InputRule("static"))
         elif kind == "size":
@@ -286,7 +288,7 @@ class BucketedGraphs:
         return self._patches(inputs)
 
     def _patches(self, inputs) -> int:
-        return max(inputs[i].shape[0] for i in self.row_positions)
+        return max((inputs[i].shape[0] for i in self.row_positions), default=0)
 
     def check_padding(self, inputs) -> str | None:
         """Why this program must not run on padded rows (NOTE [row locality]), or None; decided once."""
@@ -328,6 +330,8 @@ class BucketedGraphs:
 
     def choose(self, inputs) -> int | None:
         """The smallest bucket this call fits, or None (then the caller runs the plain program)."""
+        if not self.row_positions or any(rule.kind == "unpadded" for _, rule in self.padded):
+            return None
         if self.check_padding(inputs) is not None:
             return None
         rows = self._patches(inputs)
@@ -347,6 +351,10 @@ class BucketedGraphs:
             if rule.kind == "rows" and value.shape[0] != rows:
                 return None  # host metadata that is not row-aligned with the patches
             if rule.kind == "row_index" and value.shape[0] * self.group != rows:
+                return None
+            if rule.kind == "size" and value != rows:
+                return None  # a size that is not the row count (a standalone argument): set to C it would lie
+            if rule.kind == "index_size" and value * self.group != rows:
                 return None
         if self.group_index_positions:
             if not self._index_in_range(inputs):
