@@ -215,17 +215,49 @@ def _trace_again_next_call(error: BaseException, code) -> None:
     """NOTE [dynamo settings], step 3: a frame whose trace failed with suppress_errors is skipped by
     dynamo for the rest of the process (its code is marked SKIP), so one invalid request would leave
     a tower eager forever. kimi_cg asks for "run eagerly now, trace again at the next call": on the
-    error when dynamo reads a strategy from it, else by resetting the code's strategy when the next
-    compile starts (a nested frame of the same eager run, or the next call)."""
+    error, from which dynamo reads a strategy when it is a TorchDynamoException (a data-dependent
+    failure such as GuardOnDataDependentSymNode reaches dynamo unwrapped: its class gains that base,
+    _as_dynamo_exception), else by resetting the code's strategy when the next compile starts."""
     strategy = _trace_again_strategy()
     if strategy is None:
         return
     from torch._dynamo import exc
 
+    if not isinstance(error, exc.TorchDynamoException):
+        error = _as_dynamo_exception(error)
     if isinstance(error, exc.TorchDynamoException) and hasattr(error, "frame_exec_strategy"):
         error.frame_exec_strategy = strategy
     elif code is not None:
         _codes_to_trace_again.add(code)
+
+
+def _as_dynamo_exception(error: BaseException) -> BaseException:
+    """The same exception object, also a TorchDynamoException (its class gains that base), so that dynamo
+    reads the frame strategy from it. A data-dependent failure (GuardOnDataDependentSymNode) reaches
+    dynamo unwrapped; left as it is, dynamo marks the frame's code SKIP and only a later compile start
+    could undo that: a model whose eager run traces no nested frame would stay eager for good."""
+    from torch._dynamo import exc
+
+    cls = type(error)
+    if not isinstance(error, RuntimeError):
+        return error
+    subclass = _DYNAMO_VIEWS.get(cls)
+    if subclass is None:
+        try:
+            subclass = type(cls.__name__, (cls, exc.TorchDynamoException), {"__module__": cls.__module__})
+        except TypeError:  # an incompatible layout: keep the exception as it is
+            return error
+        _DYNAMO_VIEWS[cls] = subclass
+    try:
+        error.__class__ = subclass
+    except TypeError:
+        return error
+    if not hasattr(error, "frame_exec_strategy"):
+        error.frame_exec_strategy = None
+    return error
+
+
+_DYNAMO_VIEWS: dict = {}
 
 
 def _trace_again_strategy():

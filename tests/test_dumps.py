@@ -101,6 +101,19 @@ def test_each_call_is_recorded_with_its_bucket_padding_and_path(served, tmp_path
     assert len((bounded_run / "calls.jsonl").read_text().splitlines()) == 2
 
 
+def test_nodes_the_passes_add_are_printed_with_their_shapes(served):
+    """Nodes a pass creates carry no example value; the dump prints them with the shape their fake
+    inputs give (host plan functions, which need real values, stay bare)."""
+    run = Path(read_index(str(served))[0]["path"]).parent
+    added = [line for diff in run.glob("compile_*/*.diff") for line in diff.read_text().splitlines()
+             if line.startswith("+") and not line.startswith("+++")]
+    assignments = [line for line in added if re.match(r'^\+\s+\w+(: "[^"]*")? = ', line)]
+    shaped = [line for line in assignments if re.match(r'^\+\s+\w+: "', line)]
+    attention = [line for line in assignments if "kimi_cg.varlen_attention" in line]
+    assert attention and all(line in shaped for line in attention), attention
+    assert len(shaped) >= 0.7 * len(assignments), [line for line in assignments if line not in shaped][:10]
+
+
 def test_report_command_summarises_a_dump(served):
     result = subprocess.run([sys.executable, "-m", "kimi_cg.report", str(served)], capture_output=True, text=True,
                             timeout=120)

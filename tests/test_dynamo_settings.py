@@ -166,6 +166,39 @@ def test_a_frame_that_fails_with_kimi_cg_settings_is_traced_with_dynamo_defaults
     assert torch._dynamo.config.suppress_errors is False  # restored once the next compile started
 
 
+class SegmentPerFrame(torch.nn.Module):
+    """One segment per frame (transformers' Qwen2-VL / GLM-4V): the segment count is the sum of the
+    items' t, a data value, and the forward splits by the segment lengths as a Python list. No nested
+    frame: nothing else starts a compile while the first call runs eagerly."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x, grid):
+        cu = torch.nn.functional.pad(torch.repeat_interleave(grid[:, 1] * grid[:, 2], grid[:, 0]).cumsum(0), (1, 0))
+        lengths = cu[1:] - cu[:-1]
+        pieces = torch.split(self.proj(x), lengths.tolist())
+        return torch.cat([piece.softmax(0) for piece in pieces])
+
+
+def test_a_frame_failing_on_a_data_dependent_length_is_traced_with_that_op_as_a_graph_break():
+    """NOTE [settings ladder]: the first call runs eagerly; the next one traces the frame again, with the op
+    of data-dependent output size as a graph break (transformers' Qwen / GLM towers: tests/test_foreign_towers.py
+    checks they become one lifted piece)."""
+    model = SegmentPerFrame()
+    compiled = torch.compile(model, backend="kimi_cg")
+    for grid in ([[1, 4, 6]], [[2, 2, 4], [1, 6, 2]], [[3, 2, 2], [1, 4, 4]]):
+        grid = torch.tensor(grid)
+        x = torch.randn(int(grid.prod(-1).sum()), 8)
+        torch.testing.assert_close(compiled(x, grid), model(x, grid))
+        if kimi_cg.counters["dynamo_trace_failures"] == 1 and kimi_cg.counters["dynamo_graphs"] == 0:
+            first = dict(kimi_cg.counters)
+    assert first["dynamic_shape_op_breaks"] == 1  # the first call ran eagerly and stepped down the ladder
+    assert kimi_cg.counters["dynamo_trace_failures"] == 1 and kimi_cg.counters["dynamo_setting_fallbacks"] == 0
+    assert kimi_cg.counters["dynamo_graphs"] >= 2 and kimi_cg.counters["graph_breaks"] >= 1, dict(kimi_cg.counters)
+
+
 class FailsOnAnEmptyBatch(torch.nn.Module):
     def forward(self, x, grid):
         return x.reshape(x.shape[0], -1) * grid.shape[0]

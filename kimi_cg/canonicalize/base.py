@@ -35,8 +35,50 @@ class GraphPass:
         elapsed_ms = (time.perf_counter() - start) * 1e3
         logger.debug("%s: %.1f ms, %s", self.name, elapsed_ms, self.report)
         if before is not None and gm.code != before:  # a pass that changed nothing writes nothing
-            self.dump.stage(self.name, lambda: gm.print_readable(print_output=False))
+            self.dump.stage(self.name, lambda: readable_with_shapes(gm))
         return gm
+
+
+def readable_with_shapes(gm: torch.fx.GraphModule) -> str:
+    """``gm.print_readable()`` with shapes also on the nodes passes created (they carry no example value):
+    each is run on the fake values of its inputs, only for the printout (the values are removed again,
+    so nothing a later stage reads changes). Nodes that need real values (host plans) stay unannotated."""
+    added = []
+    try:
+        for node in gm.graph.nodes:
+            if node.op not in ("call_function", "call_method") or "val" in node.meta or "example_value" in node.meta:
+                continue
+            value = _fake_value(node)
+            if value is not None:
+                node.meta["val"] = value
+                added.append(node)
+        return gm.print_readable(print_output=False)
+    finally:
+        for node in added:
+            del node.meta["val"]
+
+
+def _fake_value(node: torch.fx.Node):
+    def value_of(arg):
+        return arg.meta.get("val", arg.meta.get("example_value")) if isinstance(arg, torch.fx.Node) else arg
+
+    args = torch.fx.node.map_aggregate(node.args, value_of)
+    kwargs = torch.fx.node.map_aggregate(node.kwargs, value_of)
+    mode = None
+    for arg in node.all_input_nodes:
+        value = value_of(arg)
+        if isinstance(value, torch.Tensor) and hasattr(value, "fake_mode"):
+            mode = value.fake_mode
+            break
+    if mode is None or any(value_of(arg) is None for arg in node.all_input_nodes):
+        return None
+    try:
+        with mode:
+            if node.op == "call_method":
+                return getattr(args[0], node.target)(*args[1:], **kwargs)
+            return node.target(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - a printout annotation only: host plans need real values
+        return None
 
 
 def _inherit_stack_traces(graph: torch.fx.Graph, existing: set) -> None:
