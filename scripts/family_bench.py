@@ -4,7 +4,9 @@
     python scripts/family_bench.py --families kimi_k25 --skip-fuzz
     python scripts/family_bench.py --smoke-test-on-cpu                             # tiny, fp32, CPU
 
-Families (transformers' towers as shipped, default ``sdpa`` attention, random weights, bf16):
+Families (transformers' towers as shipped, default ``sdpa`` attention, random weights, bf16), and the
+reference the issue's target is relative to:
+  moonvit     kimi_cg's reference MoonViT (Kimi-VL's tower, 27 x 1152, its config's attention), images
   kimi_k25    Kimi_K25VisionModel, 27 layers x 1152 (MoonViT3d; images and 4-frame video chunks)
   qwen2_5_vl  Qwen2.5-VL-7B's tower, 32 x 1280, window attention (window 112 px, full attention in
               layers 7, 15, 23, 31)
@@ -40,6 +42,10 @@ PATCH, MERGE = 14, 2
 
 
 def _config(family: str, tiny: bool):
+    if family == "moonvit":
+        from kimi_cg.models.moonvit import MoonVitConfig, MoonVitPretrainedModel
+
+        return MoonVitPretrainedModel, MoonVitConfig.tiny() if tiny else MoonVitConfig()
     if family == "kimi_k25":
         from transformers.models.kimi_k25.configuration_kimi_k25 import Kimi_K25VisionConfig
         from transformers.models.kimi_k25.modeling_kimi_k25 import Kimi_K25VisionModel
@@ -80,18 +86,26 @@ def _config(family: str, tiny: bool):
 def build(family: str, tiny: bool, device: str, dtype: torch.dtype):
     model_class, config = _config(family, tiny)
     torch.manual_seed(0)
-    model = model_class._from_config(config, attn_implementation="sdpa").eval()
+    if family == "moonvit":
+        model = model_class(config).eval()
+    else:
+        model = model_class._from_config(config, attn_implementation="sdpa").eval()
     return model.to(device=device, dtype=dtype), config
 
 
 def row_width(family: str, config) -> int:
-    return 3 * PATCH * PATCH if family == "kimi_k25" else config.in_channels * config.temporal_patch_size * PATCH * PATCH
+    return 3 * PATCH * PATCH if family in ("kimi_k25", "moonvit") else config.in_channels * config.temporal_patch_size * PATCH * PATCH
 
 
 def inputs_for(family: str, config, device: str, dtype: torch.dtype):
     width = row_width(family, config)
 
     def make_inputs(grid):
+        if family == "moonvit":  # [h, w] rows, images only
+            grid_hw = torch.tensor([row[-2:] for row in grid], dtype=torch.int64)
+            rows = int(grid_hw.prod(-1).sum())
+            pixels = torch.randn(rows, 3, PATCH, PATCH, generator=torch.Generator().manual_seed(rows))
+            return pixels.to(device=device, dtype=dtype), grid_hw.to(device)
         grid_thw = torch.tensor([row if len(row) == 3 else [1, *row] for row in grid], dtype=torch.int64)
         rows = int(grid_thw.prod(-1).sum())
         generator = torch.Generator().manual_seed(rows)
@@ -135,7 +149,7 @@ def run_family(family: str, args, device: str, dtype: torch.dtype, report: dict,
     model, config = build(family, args.smoke_test_on_cpu, device, dtype)
     make_inputs = inputs_for(family, config, device, dtype)
     video = 0.2 if family == "kimi_k25" else 0.0
-    report.update(family=family, attn_implementation="sdpa")
+    report.update(family=family, attn_implementation=getattr(config, "attn_implementation", "sdpa") if family == "moonvit" else "sdpa")
     if video and not takes_mixed_frame_counts(model, make_inputs):
         video = 0.0  # transformers 5.17's Kimi-K2.5 merger concatenates [h*w/4, t, 4] rows: one t per batch
         report["note"] = "images only: this transformers rejects a batch mixing frame counts"
@@ -143,7 +157,7 @@ def run_family(family: str, args, device: str, dtype: torch.dtype, report: dict,
         kimi_cg.reset()
         torch._dynamo.reset()
         max_side = 16 if args.smoke_test_on_cpu else 64
-        grids = kimi_cg.testing.grids(dims=3, max_items=4, max_side=max_side, max_patches=4 * max_side * max_side,
+        grids = kimi_cg.testing.grids(dims=2 if family == "moonvit" else 3, max_items=4, max_side=max_side, max_patches=4 * max_side * max_side,
                                       max_frames=4 if family == "kimi_k25" else 1, video_fraction=video,
                                       patch_size=PATCH)
         started = time.perf_counter()
@@ -197,7 +211,7 @@ def run_family(family: str, args, device: str, dtype: torch.dtype, report: dict,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--families", default="kimi_k25,qwen2_5_vl,qwen2_vl,glm4v")
+    parser.add_argument("--families", default="moonvit,kimi_k25,qwen2_5_vl,qwen2_vl,glm4v")
     parser.add_argument("--systems", default="eager,inductor,kimi_cg")
     parser.add_argument("--requests", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=10)
@@ -218,18 +232,24 @@ def main() -> None:
     results = {"date": datetime.date.today().isoformat(), "commit": commit, "torch": torch.__version__,
                "transformers": transformers.__version__,
                "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "families": {}}
-    for family in args.families.split(","):
-        def save():
-            if args.out:
-                with open(args.out, "w") as handle:
-                    json.dump(results, handle, indent=1)
+    def save():
+        if args.out:
+            with open(args.out, "w") as handle:
+                json.dump(results, handle, indent=1)
 
+    for family in args.families.split(","):
         report = results["families"][family] = {}
         try:
             run_family(family, args, device, dtype, report, save)
         except Exception as error:  # one family failing must not lose the others' numbers
             report["error"] = f"{type(error).__name__}: {error}"[:3000]
             print(f"{family}: {type(error).__name__}: {error}", flush=True)
+        save()
+    reference = results["families"].get("moonvit", {}).get("kimi_cg", {}).get("W4_fresh_speedup")
+    if reference:  # the issue's target: each family's fresh-stream speed-up within 80% of the reference's
+        results["W4_fresh_speedup_vs_moonvit"] = {
+            family: r["kimi_cg"]["W4_fresh_speedup"] / reference for family, r in results["families"].items()
+            if family != "moonvit" and "W4_fresh_speedup" in r.get("kimi_cg", {})}
         save()
     failed = [f for f, r in results["families"].items() if "error" in r or "mismatch" in r.get("fuzz", {})]
     sys.exit(1 if failed else 0)
