@@ -178,7 +178,7 @@ def run_family(family: str, args, device: str, dtype: torch.dtype, report: dict,
         warmup = [[[row[0], 8, 8] if len(row) == 3 else [8, 8] for row in items][:2] for items in warmup][:3]
         stream = [[[row[0], 4, 6] if len(row) == 3 else [4, 6] for row in items][:2] for items in stream]
     w1 = [[32, 32]] if not args.smoke_test_on_cpu else [[4, 4]]
-    for system in args.systems.split(","):
+    for system in [name for name in args.systems.split(",") if name not in ("", "none")]:  # none: fuzz only
         kimi_cg.reset()
         torch._dynamo.reset()
         if system == "eager":
@@ -212,7 +212,7 @@ def run_family(family: str, args, device: str, dtype: torch.dtype, report: dict,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--families", default="moonvit,kimi_k25,qwen2_5_vl,qwen2_vl,glm4v")
-    parser.add_argument("--systems", default="eager,inductor,kimi_cg")
+    parser.add_argument("--systems", default="eager,inductor,kimi_cg", help="comma-separated; none: fuzz only")
     parser.add_argument("--requests", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--fuzz-examples", type=int, default=20)
