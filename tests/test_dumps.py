@@ -102,7 +102,7 @@ def test_each_call_is_recorded_with_its_bucket_padding_and_path(served, tmp_path
 
 
 def test_nodes_the_passes_add_are_printed_with_their_shapes(served):
-    """Nodes a pass creates carry no example value; the dump prints them with the shape their fake
+    """Nodes a pass creates have no example value; the dump prints them with the shape their fake
     inputs give (host plan functions, which need real values, stay bare)."""
     run = Path(read_index(str(served))[0]["path"]).parent
     added = [line for diff in run.glob("compile_*/*.diff") for line in diff.read_text().splitlines()
@@ -243,7 +243,7 @@ def test_a_call_that_fails_on_a_graph_with_an_int_argument_gets_a_repro(tmp_path
 
 
 def test_a_call_failing_inside_kimi_cg_is_recorded_with_the_line_that_raised(tmp_path, monkeypatch):
-    """An error that carries no model line (an internal error, not a named compiler limit): the
+    """An error without a model line (an internal error, not a named compiler limit): the
     record's reason names the line that raised it, file:line, as the warning does."""
     from kimi_cg.runtime.runner import LiftedRunner
 

@@ -40,7 +40,7 @@ class GraphPass:
 
 
 def readable_with_shapes(gm: torch.fx.GraphModule) -> str:
-    """``gm.print_readable()`` with shapes also on the nodes passes created (they carry no example value):
+    """``gm.print_readable()`` with shapes also on the nodes passes created (they have no example value):
     each is run on the fake values of its inputs, only for the printout (the values are removed again,
     so nothing a later stage reads changes). Nodes that need real values (host plans) stay unannotated."""
     added = []

@@ -259,7 +259,7 @@ def tensor_op_count(gm: torch.fx.GraphModule) -> int:
 
 
 def _made_by_a_pass(node: torch.fx.Node):
-    """A node a rewrite created carries no example value: a tensor op unless it takes an element of a
+    """A node a rewrite created has no example value: a tensor op unless it takes an element of a
     tuple or a size."""
     import operator
 
