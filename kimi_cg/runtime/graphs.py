@@ -139,11 +139,12 @@ def _row_group_index(node: torch.fx.Node, row_sizes: list, static_rows=None) -> 
         return False
     if not _only_gathers_with(node):
         return False
-    for user in node.users:  # the indexed tensor has as many leading entries as the index
+    for user in node.users:  # the indexed tensor's leading size varies with the call, as the rows do
         table = example_value(user.args[0]) if user.op == "call_function" and user.target is operator.getitem else None
         if not (isinstance(table, torch.Tensor) and table.dim() >= 1 and (static_rows is not None or not isinstance(table.shape[0], int))):
             return False
     return True
+
 
 def _is_segment_boundary(node: torch.fx.Node) -> bool:
     """The node feeds a registered varlen attention as its segment boundaries (kimi_cg/varlen_registry.py)."""

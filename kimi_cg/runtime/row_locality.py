@@ -306,10 +306,11 @@ def _is_group_permutation(node, inputs, axis_in, shapes: _Shapes, group_indices)
         return False
     first = index[0] if isinstance(index, tuple) and index else index
     full = slice(None, None, None)
-    if first not in group_indices or (isinstance(index, tuple) and any(item != full for item in index[1:])):
+    if not isinstance(first, torch.fx.Node) or first not in group_indices:
         return False
-    return all(shapes.small[first][0] == shapes.small[base][0] and shapes.large[first][0] == shapes.large[base][0]
-               for _ in (0,))
+    if isinstance(index, tuple) and any(item != full for item in index[1:]):
+        return False
+    return shapes.small[first][0] == shapes.small[base][0] and shapes.large[first][0] == shapes.large[base][0]
 
 
 def _check_getitem(node, inputs, axis_in, rank) -> str | None:
