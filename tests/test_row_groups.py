@@ -87,3 +87,25 @@ def test_a_group_index_into_a_table_without_rows_is_not_padded():
         with torch.no_grad():
             torch.testing.assert_close(compiled(*args), model(*args), rtol=1e-5, atol=1e-6)
     assert kimi_cg.counters["padded_runs"] == 0 and kimi_cg.counters["eager_fallbacks"] >= 3, dict(kimi_cg.counters)
+
+
+class SliceThenIndex(torch.nn.Module):
+    """Row data indexed with a slice first (``x[:, 0]``): not a row-group gather, and no crash deciding so."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(6, 8)
+
+    def forward(self, x, grid):
+        hidden = self.proj(x).view(x.shape[0], 2, 4)
+        position = torch.cat([torch.arange(h * w) for h, w in grid.tolist()]).to(hidden.dtype)[:, None]
+        return hidden[:, 0] + position
+
+
+def test_row_data_indexed_after_a_slice_is_checked_without_error():
+    model = SliceThenIndex()
+    compiled = torch.compile(model, backend="kimi_cg", options=BUCKETS)
+    for seed, grid in enumerate(GRIDS[:4]):
+        args = _inputs(grid, seed)
+        torch.testing.assert_close(compiled(*args), model(*args))
+    assert kimi_cg.counters["call_fallbacks"] == 0 and kimi_cg.counters["padded_runs"] >= 2, dict(kimi_cg.counters)
