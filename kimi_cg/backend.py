@@ -28,7 +28,7 @@ from kimi_cg.lift import source_location, split
 from kimi_cg.runtime.graphs import BucketedGraphs, input_rules
 from kimi_cg.runtime.runner import LiftedRunner
 from kimi_cg.debug import report_graph_break, write_lift_report
-from kimi_cg.debug.dump import tensor_op_count, GraphDump, frame_of, start_graph
+from kimi_cg.debug.dump import GraphDump, frame_of, start_graph, tensor_op_count
 from kimi_cg.debug.repro import placeholder_sources, repro_source
 
 logger = logging.getLogger(__name__)

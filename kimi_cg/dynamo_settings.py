@@ -186,17 +186,14 @@ def _on_compile_end(_args) -> None:
     failures = 0
     if code is not None and code not in _traced_with_settings and _caused_by_unbacked_values(error):
         failures = _failures_with_settings[code] = _failures_with_settings.get(code, 0) + 1
-    if failures == 1 and code not in _traced_with_scalars:
+    if failures == 1 and code not in _traced_with_scalars:  # NOTE [settings ladder]: one step down
         _traced_with_scalars.add(code)
         counters["dynamic_shape_op_breaks"] += 1
         counters["dynamo_trace_failures"] += 1
         record_fallback("dynamo failed to trace this call", where, summary,
                         "this call runs the frame eagerly; from the next call ops with data-dependent output sizes "
                         "break its graph (NOTE [settings ladder])")
-        _suppress_errors_once()
-        _trace_again_next_call(error, code)
-        return
-    if failures >= DEMOTE_AFTER_FAILURES:
+    elif failures >= DEMOTE_AFTER_FAILURES:
         _traced_with_scalars.discard(code)
         _traced_with_defaults.add(code)
         counters["dynamo_setting_fallbacks"] += 1
@@ -225,7 +222,7 @@ def _trace_again_next_call(error: BaseException, code) -> None:
 
     if not isinstance(error, exc.TorchDynamoException):
         error = _as_dynamo_exception(error)
-    if isinstance(error, exc.TorchDynamoException) and hasattr(error, "frame_exec_strategy"):
+    if isinstance(error, exc.TorchDynamoException):  # a torch with frame strategies reads this attribute
         error.frame_exec_strategy = strategy
     elif code is not None:
         _codes_to_trace_again.add(code)
@@ -238,9 +235,9 @@ def _as_dynamo_exception(error: BaseException) -> BaseException:
     could undo that: a model whose eager run traces no nested frame would stay eager for good."""
     from torch._dynamo import exc
 
-    cls = type(error)
     if not isinstance(error, RuntimeError):
         return error
+    cls = type(error)
     subclass = _DYNAMO_VIEWS.get(cls)
     if subclass is None:
         try:
@@ -252,8 +249,6 @@ def _as_dynamo_exception(error: BaseException) -> BaseException:
         error.__class__ = subclass
     except TypeError:
         return error
-    if not hasattr(error, "frame_exec_strategy"):
-        error.frame_exec_strategy = None
     return error
 
 

@@ -143,7 +143,7 @@ def time_stream(fn, make_inputs, grids, budget_s: float) -> dict:
     return result
 
 
-def run_family(family: str, args, device: str, dtype: torch.dtype, report: dict, save) -> dict:
+def run_family(family: str, args, device: str, dtype: torch.dtype, report: dict, save) -> None:
     """Fills ``report`` step by step and calls ``save()`` after each step, so a run cut short by a time
     limit keeps what it measured."""
     model, config = build(family, args.smoke_test_on_cpu, device, dtype)
@@ -206,7 +206,6 @@ def run_family(family: str, args, device: str, dtype: torch.dtype, report: dict,
             if system in report:
                 report[system]["W1_speedup"] = report["eager"]["W1_ms"] / report[system]["W1_ms"]
                 report[system]["W4_fresh_speedup"] = report["eager"]["W4_fresh"]["mean_ms"] / report[system]["W4_fresh"]["mean_ms"]
-    return report
 
 
 def main() -> None:

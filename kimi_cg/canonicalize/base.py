@@ -9,6 +9,8 @@ import time
 import torch
 import torch.fx
 
+from kimi_cg.capture import example_value
+
 logger = logging.getLogger(__name__)
 
 
@@ -60,7 +62,7 @@ def readable_with_shapes(gm: torch.fx.GraphModule) -> str:
 
 def _fake_value(node: torch.fx.Node):
     def value_of(arg):
-        return arg.meta.get("val", arg.meta.get("example_value")) if isinstance(arg, torch.fx.Node) else arg
+        return example_value(arg) if isinstance(arg, torch.fx.Node) else arg
 
     args = torch.fx.node.map_aggregate(node.args, value_of)
     kwargs = torch.fx.node.map_aggregate(node.kwargs, value_of)

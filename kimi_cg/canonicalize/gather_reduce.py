@@ -96,7 +96,7 @@ class GatherReducePass(GraphPass):
 
     def run(self, gm: torch.fx.GraphModule) -> dict:
         graph = gm.graph
-        report = {"gathers_rewritten": 0, "gathers_left": []}
+        report = {"gathers_rewritten": 0, "views_inferred": 0, "gathers_left": []}
         gathers = [n for n in graph.nodes if n.op == "call_function" and n.target is operator.getitem
                    and isinstance(n.args[1], torch.fx.Node)]
         if not gathers:
@@ -110,7 +110,7 @@ class GatherReducePass(GraphPass):
                 continue
             result = self._rewrite(graph, gather, *plan)
             report["gathers_rewritten"] += 1
-            report["views_inferred"] = report.get("views_inferred", 0) + infer_view_sizes(graph, result)
+            report["views_inferred"] += infer_view_sizes(graph, result)
         return report
 
     @staticmethod

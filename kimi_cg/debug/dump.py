@@ -247,27 +247,18 @@ def tensor_op_count(gm: torch.fx.GraphModule) -> int:
     compares the ops calls ran inside replayed graphs with those they ran outside)."""
     from kimi_cg.capture import example_value
 
-    count = 0
-    for node in gm.graph.nodes:
-        if node.op in ("call_function", "call_method", "call_module"):
-            value = example_value(node)
-            if value is None and "example_value" not in node.meta and "val" not in node.meta:
-                value = _made_by_a_pass(node)
-            if isinstance(value, torch.Tensor) or (isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value)):
-                count += 1
-    return count
+    return sum(1 for node in gm.graph.nodes if node.op in ("call_function", "call_method", "call_module")
+               and _makes_a_tensor(node, example_value(node)))
 
 
-def _made_by_a_pass(node: torch.fx.Node):
-    """A node a rewrite created has no example value: a tensor op unless it takes an element of a
-    tuple or a size."""
+def _makes_a_tensor(node: torch.fx.Node, value) -> bool:
     import operator
 
     from kimi_cg.lift import is_size_query
 
-    if is_size_query(node) or (node.op == "call_function" and node.target is operator.getitem):
-        return None
-    return torch.empty(0)
+    if value is None:  # a node a rewrite created has no example value: a tensor op unless it reads a size
+        return not (is_size_query(node) or (node.op == "call_function" and node.target is operator.getitem))
+    return isinstance(value, torch.Tensor) or (isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value))
 
 
 def start_graph(debug_dir: str | None, gm: torch.fx.GraphModule, frame: str, grid: Any = None) -> GraphDump:

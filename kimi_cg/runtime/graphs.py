@@ -236,7 +236,6 @@ class _Bucket:
         self.inputs: list = []
         self.outputs: tuple = ()
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.identity: dict = {}  # row_index input position -> arange(C / k), the padding's entries
 
 
 def _indexes_leading_dim(index, node) -> bool:
@@ -259,6 +258,8 @@ class BucketedGraphs:
         self.row_positions = [i for i, rule in self.padded if rule.kind == "rows"]
         self.group_index_positions = [i for i, rule in self.padded if rule.kind == "row_index"]
         self.group = None  # k of NOTE [padding rules]'s row-group indices, set at the first call
+        # No rows to pad, or an input no rule pads: every call runs the plain program.
+        self.never_padded = not self.row_positions or any(rule.kind == "unpadded" for rule in rules)
         self.capacities = buckets
         self.max_segments = max_items + 1  # real segments plus the trailing padding segment
         self.max_frames = max_frames
@@ -292,23 +293,24 @@ class BucketedGraphs:
         return max((inputs[i].shape[0] for i in self.row_positions), default=0)
 
     def check_padding(self, inputs) -> str | None:
-        """Why this program must not run on padded rows (NOTE [row locality]), or None; decided once."""
-        if self.group_index_positions and self.group is None and self.hazard is None:
-            self.hazard = self._group_size(inputs)
-            if self.hazard is not None:
-                counters["padding_hazards"] += 1
-                return self.hazard
-        if not self._hazard_checked:
+        """Why this program must not run on padded rows (NOTE [row locality]), or None; decided at the
+        first call. The row-group size k is set then too, also in dynamo's static first trace."""
+        if self.hazard is None and self.group is None and self.group_index_positions:
+            self._found(self._group_size(inputs))
+        if self.hazard is None and not self._hazard_checked:
             from kimi_cg.runtime.row_locality import padding_hazard
 
             gm = getattr(self.program, "gm", None)  # (tests' stand-in programs have no graph to analyse)
-            if gm is not None and not any(rule.kind == "unpadded" for rule in self.rules):
-                self.hazard = padding_hazard(gm, self.rules, inputs)
-            self._hazard_checked = True
-            if self.hazard is not None:
-                counters["padding_hazards"] += 1
-                logger.info("kimi_cg: a device program runs unpadded, without CUDA graphs: %s", self.hazard)
+            if gm is not None and not self.never_padded:
+                self._found(padding_hazard(gm, self.rules, inputs))
+        self._hazard_checked = True
         return self.hazard
+
+    def _found(self, hazard: str | None) -> None:
+        if hazard is not None:
+            self.hazard = hazard
+            counters["padding_hazards"] += 1
+            logger.info("kimi_cg: a device program runs unpadded, without CUDA graphs: %s", hazard)
 
     def _group_size(self, inputs) -> str | None:
         """Sets ``group`` (rows per entry of the row-group indices) from this call, or says why not."""
@@ -331,16 +333,12 @@ class BucketedGraphs:
 
     def choose(self, inputs) -> int | None:
         """The smallest bucket this call fits, or None (then the caller runs the plain program)."""
-        if not self.row_positions or any(rule.kind == "unpadded" for _, rule in self.padded):
-            return None
-        if self.check_padding(inputs) is not None:
+        if self.never_padded or self.check_padding(inputs) is not None:
             return None
         rows = self._patches(inputs)
         needed = rows
         for i, rule in self.padded:
             value = inputs[i]
-            if rule.kind == "unpadded":
-                return None
             if rule.kind == "fixed" and tuple(value.shape) != rule.shape:
                 return None
             if rule.kind == "cu_seqlens" and value.shape[0] > self.max_segments:
@@ -377,7 +375,8 @@ class BucketedGraphs:
         averaged), not its patch rows (t * h * w), and both ratios can be whole numbers."""
         cu_positions = [i for i, r in enumerate(self.rules) if r.kind == "cu_seqlens"]
         # A fixed-shape input is the whole call's (a table, the grid): not cut per item, so no split.
-        if not cu_positions or any(r.kind in ("unpadded", "fixed", "row_index") for r in self.rules) or self.check_padding(inputs) is not None:
+        if not cu_positions or self.never_padded or any(r.kind in ("fixed", "row_index") for r in self.rules) or (
+                self.check_padding(inputs) is not None):
             return None
         cu = inputs[cu_positions[0]]
         if any(not torch.equal(inputs[i].cpu(), cu.cpu()) for i in cu_positions[1:]):
@@ -518,7 +517,7 @@ class BucketedGraphs:
             elif rule.kind == "row_index":
                 count = value.shape[0]
                 static[:count].copy_(torch.where(value < 0, value + count, value), non_blocking=True)
-                static[count:].copy_(bucket.identity[i][count:], non_blocking=True)  # padding groups read themselves
+                torch.arange(count, static.shape[0], out=static[count:])  # padding groups read themselves
             elif rule.kind == "cu_seqlens":
                 count = value.shape[0]
                 static[:count].copy_(value, non_blocking=True)
@@ -543,7 +542,6 @@ class BucketedGraphs:
                 bucket = _Bucket(capacity)
                 try:
                     bucket.inputs = self._allocate(capacity, inputs)
-                    bucket.identity = {i: bucket.inputs[i].clone() for i in self.group_index_positions}
                     if self.capture:
                         self._capture(bucket, inputs)
                 except torch.OutOfMemoryError as error:
