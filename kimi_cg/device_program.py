@@ -43,7 +43,8 @@ def programs() -> list["DeviceProgram"]:
 
 def structural_hash(gm: torch.fx.GraphModule, shape_free_inputs: frozenset[int] = frozenset()) -> str:
     """Hash of the program's structure; inputs in ``shape_free_inputs`` (host metadata, whose sizes
-    follow the number of items) contribute dtype and rank only."""
+    follow the number of items) contribute dtype and rank only. Inputs count by position, not by name:
+    dynamo names a resumed piece's inputs after its own counters, which differ between traces."""
     local = {}
     lines = []
     placeholder_index = -1
@@ -64,6 +65,8 @@ def structural_hash(gm: torch.fx.GraphModule, shape_free_inputs: frozenset[int] 
                 kind = type(value).__name__
             args = ()
         target = node.target if isinstance(node.target, str) else getattr(node.target, "__qualname__", str(node.target))
+        if node.op == "placeholder":
+            target = str(placeholder_index)
         module = getattr(node.target, "__module__", "")
         lines.append(f"{node.op}|{module}.{target}|{args!r}|{kwargs!r}|{kind}")
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:20]

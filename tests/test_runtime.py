@@ -263,3 +263,24 @@ def test_a_resumed_piece_with_a_fixed_table_and_a_row_index_replays(write, tmp_p
         assert next(rule for name, rule in rules.items() if "table" in name) == "fixed", rules
         assert kimi_cg.counters["eager_fallbacks"] == 0, dict(kimi_cg.counters)
     assert kimi_cg.counters["lift_fallbacks"] == kimi_cg.counters["call_fallbacks"] == 0
+
+
+def test_device_programs_equal_but_for_input_names_share_one_hash():
+    """Dynamo names a resumed piece's inputs after its own counters (getitem_116 in one trace,
+    getitem_179 in the next): the names must not key the device program, or every retrace of a piece
+    compiles the same program again (found on transformers 5.17's Kimi-K2.5: three Inductor compiles
+    of the 27-layer piece)."""
+    from kimi_cg.device_program import structural_hash
+
+    def first(getitem_116, weight):
+        return torch.relu(getitem_116 @ weight) + 1
+
+    def second(getitem_179, weight):
+        return torch.relu(getitem_179 @ weight) + 1
+
+    def other(getitem_179, weight):
+        return torch.relu(getitem_179 @ weight) + 2
+
+    hashes = [structural_hash(torch.fx.symbolic_trace(fn)) for fn in (first, second, other)]
+    assert hashes[0] == hashes[1]
+    assert hashes[1] != hashes[2]
