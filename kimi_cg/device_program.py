@@ -146,11 +146,13 @@ class DeviceProgram:
         return rows
 
 
-def _symbolic_fakes(inputs, fake_mode, host_inputs: frozenset[int]):
+def _symbolic_fakes(inputs, fake_mode, host_inputs: frozenset[int], traced=()):
     """Fake inputs whose sizes are symbols (no duck sizing, no 0/1 specialisation), so the compiled
     program is valid for every patch count; dims that must agree (pixels and position embeddings
     both have L rows) are unified by the guards the ops themselves add while tracing. Activations
-    vary in dim 0; host metadata (gather plans: rows and frames) in every dim; module state not."""
+    vary in dim 0, and in every later dim that dynamo traced as symbolic (``traced``: the placeholders'
+    example values; a frame called with tensors of two widths); host metadata (gather plans: rows and
+    frames) in every dim; module state not."""
     from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
 
     fakes = []
@@ -161,7 +163,10 @@ def _symbolic_fakes(inputs, fake_mode, host_inputs: frozenset[int]):
             elif isinstance(value, torch.nn.Parameter) or value.dim() == 0:
                 dynamic = [DimDynamic.STATIC] * value.dim()
             else:
-                dynamic = [DimDynamic.DYNAMIC] + [DimDynamic.STATIC] * (value.dim() - 1)
+                example = traced[position] if position < len(traced) else None
+                symbolic = [isinstance(size, torch.SymInt) for size in example.shape] \
+                    if isinstance(example, torch.Tensor) and example.dim() == value.dim() else [False] * value.dim()
+                dynamic = [DimDynamic.DYNAMIC] + [DimDynamic.DYNAMIC if sym else DimDynamic.STATIC for sym in symbolic[1:]]
             context = StatelessSymbolicContext(dynamic_sizes=dynamic)
             fakes.append(fake_mode.from_tensor(value, symbolic_context=context))
         else:
@@ -175,8 +180,8 @@ def _fake_inputs(gm: torch.fx.GraphModule, inputs, host_inputs: frozenset[int]):
 
     shape_env = ShapeEnv(duck_shape=False, specialize_zero_one=False)
     fake_mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=False)
-    fakes = _symbolic_fakes(inputs, fake_mode, host_inputs)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    fakes = _symbolic_fakes(inputs, fake_mode, host_inputs, [example_value(node) for node in placeholders])
     # A SymInt input (dynamo's s0) is the leading size of the tensor input that dynamo traced with
     # that same symbol (the pixel values); bind it to that fake's symbol.
     for position, node in enumerate(placeholders):
@@ -221,11 +226,21 @@ def _source_of(modules) -> str | None:
 
 
 def compile_with_inductor(gm: torch.fx.GraphModule, inputs, host_inputs: frozenset[int] = frozenset()):
-    """Compile the device program with Inductor once, for symbolic input sizes (see _symbolic_fakes)."""
+    """Compile the device program with Inductor once, for symbolic input sizes (see _symbolic_fakes).
+
+    Without Inductor's FX graph and AOT autograd caches: an entry's guards cover the graph's SymInt
+    inputs only, on the assumption that each symbolic tensor size has one (dynamo's graphs do). A device
+    program's fakes carry symbols of their own, so a guard relating a size input to a tensor size names
+    a tensor the cache cannot bind, and the next process's lookup raised NameError (that program then
+    never ran lifted)."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
     fake_mode, fakes = _fake_inputs(gm, inputs, host_inputs)
-    with fake_mode:
+    no_inductor_cache = {key: False for key in ("fx_graph_cache", "fx_graph_remote_cache") if hasattr(inductor_config, key)}
+    no_autograd_cache = {key: False for key in ("enable_autograd_cache",) if hasattr(functorch_config, key)}
+    with fake_mode, inductor_config.patch(no_inductor_cache), functorch_config.patch(no_autograd_cache):
         return compile_fx(gm, fakes)
 
 

@@ -29,8 +29,12 @@ def summarize(folder: str, slowest: int = 5) -> str:
     frames = collections.Counter(graph["frame"] for graph in graphs)
     lines.append(f"graphs: {len(graphs)} ({', '.join(f'{n} {s}' for s, n in statuses.most_common())}) "
                  f"in {len(frames)} frame(s); device programs: {len({g.get('device_program') for g in graphs} - {None})}")
+    programs = collections.defaultdict(set)  # per frame (a piece): its distinct device programs
+    for graph in graphs:
+        if graph.get("device_program"):
+            programs[graph["frame"]].add(graph["device_program"])
     for frame, count in frames.most_common():
-        lines.append(f"  {count:4d} x {frame}")
+        lines.append(f"  {count:4d} x {frame}: {len(programs[frame])} device program(s)")
     failed = [graph for graph in graphs if graph["status"].startswith("fell back")]
     if failed:
         lines.append("fell back (runs unlifted):")

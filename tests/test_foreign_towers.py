@@ -159,13 +159,20 @@ REPLAYS_EVERY_CALL = {"kimi_k25", "qwen2_vl", "qwen2_5_vl", "glm4v"}
 # the forward is traced, every call replays.
 FALLBACKS_WHILE_TRACING = {"qwen2_5_vl"}
 DEVICE_CALLS_PER_CALL = {"kimi_k25": 2, "qwen2_vl": 1, "qwen2_5_vl": 1, "glm4v": 1}
+# Device programs per piece (a frame dynamo traces, read from the debug dump): the static first trace and
+# the dynamic one. Qwen2.5-VL's nested permute_input_for_window_attn, traced on its own while the forward
+# runs eagerly, is called with the hidden states and the rotary table: static, dynamic rows, dynamic
+# width make three (unused once the forward is traced).
+PROGRAMS_PER_PIECE = {("qwen2_5_vl", "permute_input_for_window_attn"): 3}
 
 
 @pytest.mark.parametrize("tower_name", ["kimi_k25", "qwen2_vl", "qwen2_5_vl", "glm4v", "upstream_moonvit"])
-def test_bucketed_path_matches_eager(tower_name):
+def test_bucketed_path_matches_eager(tower_name, tmp_path):
+    from kimi_cg.debug.dump import read_index
+
     factory = TRANSFORMERS_FACTORIES.get(tower_name, build_upstream_moonvit)
     tower = build_tower(factory, "sdpa")
-    compiled = torch.compile(tower.model, backend="kimi_cg", options=BUCKET_OPTIONS)
+    compiled = torch.compile(tower.model, backend="kimi_cg", options=dict(BUCKET_OPTIONS, debug_dir=str(tmp_path)))
     for grid in GRIDS[tower_name]:
         args = tower.make_inputs(grid)
         device_calls = sum(kimi_cg.counters[k] for k in ("graph_replays", "padded_runs", "eager_fallbacks"))
@@ -185,6 +192,32 @@ def test_bucketed_path_matches_eager(tower_name):
         assert tower_name in FALLBACKS_WHILE_TRACING or kimi_cg.counters["eager_fallbacks"] == 0, dict(kimi_cg.counters)
     if tower_name in DEVICE_CALLS_PER_CALL:  # the last grid's call, traced by then
         assert 1 <= device_calls <= DEVICE_CALLS_PER_CALL[tower_name], (device_calls, dict(kimi_cg.counters))
+    programs = {}
+    for graph in read_index(str(tmp_path)):
+        if graph.get("device_program"):
+            programs.setdefault(graph["frame"], set()).add(graph["device_program"])
+    assert programs, "no lifted piece"
+    over = {frame: len(keys) for frame, keys in programs.items()
+            if len(keys) > PROGRAMS_PER_PIECE.get((tower_name, frame.rsplit("(", 1)[-1].rstrip(")")), 2)}
+    assert not over, over
+
+
+def test_bucketed_qwen2_5_vl_with_inductor_programs_runs_every_call_lifted():
+    """Inductor device programs (the CUDA default) on the tower with a size input (seq_len) and a frame
+    called with tensors of two widths; strict, so a call that cannot run lifted raises. Each found on
+    this tower: a program compiled for the first call's width failed Inductor's size assert at the
+    other width, and a second process (warm Inductor cache) failed the cache's guard (NameError)."""
+    tower = build_tower(TRANSFORMERS_FACTORIES["qwen2_5_vl"], "sdpa")
+    compiled = torch.compile(tower.model, backend="kimi_cg", options=dict(BUCKET_OPTIONS, device_compiler="inductor", strict=True))
+    for grid in GRIDS["qwen2_5_vl"] + GRIDS["qwen2_5_vl"][:1]:
+        args = tower.make_inputs(grid)
+        with torch.no_grad():
+            want = tower.extract_outputs(tower.model(*args))
+            got = tower.extract_outputs(compiled(*args))
+        for index, (g, w) in enumerate(zip(got, want)):
+            assert g.shape == w.shape and not torch.isnan(g).any(), f"output {index} for {grid}"
+            assert relative_error(g, w) <= RELATIVE_TOLERANCE, f"output {index} for {grid}; {dict(kimi_cg.counters)}"
+    assert kimi_cg.counters["lift_fallbacks"] == kimi_cg.counters["call_fallbacks"] == 0, dict(kimi_cg.counters)
 
 
 # Two models other torch.compile users write: per-piece loops over host lists made with .tolist().

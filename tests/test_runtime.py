@@ -284,3 +284,66 @@ def test_device_programs_equal_but_for_input_names_share_one_hash():
     hashes = [structural_hash(torch.fx.symbolic_trace(fn)) for fn in (first, second, other)]
     assert hashes[0] == hashes[1]
     assert hashes[1] != hashes[2]
+
+
+INDUCTOR_PROGRAM_WITH_A_SIZE_INPUT = """
+import torch
+from torch._dynamo.source import ConstantSource
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+from kimi_cg.device_program import compile_with_inductor
+
+def program(rows, count):  # a size input tied to a tensor's size (transformers' seq_len)
+    return rows.reshape(count, 1) * 2
+
+gm = torch.fx.symbolic_trace(program)
+shape_env = ShapeEnv()
+symbol = shape_env.create_symbol(32, ConstantSource("count"), dynamic_dim=DimDynamic.DYNAMIC)
+count = [node for node in gm.graph.nodes if node.op == "placeholder"][1]
+count.meta["example_value"] = shape_env.create_symintnode(symbol, hint=32, source=ConstantSource("count"))
+rows = torch.randn(8, 4)
+out = compile_with_inductor(gm, [rows, 32])(rows, 32)
+assert torch.equal(out[0] if isinstance(out, (list, tuple)) else out, program(rows, 32))
+"""
+
+
+def test_an_inductor_device_program_compiles_again_in_a_process_with_a_warm_inductor_cache(tmp_path):
+    """Inductor's FX graph cache stores guards over the graph's SymInt inputs only, assuming every
+    symbolic tensor size has one (true of dynamo's graphs, not of device programs, whose fakes carry
+    symbols of their own): the guard of the second process named an unknown tensor, raised NameError,
+    and every call of that program ran the captured graph (transformers' Qwen2.5-VL, second run on a
+    machine)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    for run in ("cold cache", "warm cache"):
+        result = subprocess.run([sys.executable, "-c", INDUCTOR_PROGRAM_WITH_A_SIZE_INPUT], capture_output=True,
+                                text=True, timeout=300, env=env)
+        assert result.returncode == 0, f"{run}: {result.stderr[-2000:]}"
+
+
+def test_an_inductor_device_program_traced_with_a_symbolic_width_takes_every_width():
+    """A frame called with tensors of two widths (Qwen2.5-VL's permute_input_for_window_attn takes the
+    hidden states and the rotary table) is traced with a symbolic trailing size, and its device program
+    serves both widths: compiled for the first call's width, the second raised Inductor's size assert
+    and ran the captured graph."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    from kimi_cg.device_program import get_device_program
+
+    def program(rows):
+        return (rows * 2 + 1).softmax(-1)
+
+    gm = torch.fx.symbolic_trace(program)
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.DYNAMIC])
+    rows = next(node for node in gm.graph.nodes if node.op == "placeholder")
+    rows.meta["example_value"] = fake_mode.from_tensor(torch.randn(6, 10), symbolic_context=context)
+    device = get_device_program(gm, "inductor")
+    for shape in ((7, 64), (5, 16), (9, 64)):
+        x = torch.randn(shape)
+        out = device(x)
+        out = out[0] if isinstance(out, (list, tuple)) else out
+        torch.testing.assert_close(out, program(x), rtol=1e-6, atol=1e-6)
