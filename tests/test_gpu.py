@@ -97,15 +97,24 @@ def test_graph_replays_match_eager_bf16(tower, size, count):
             captures_after_warm_up=counters.get("captures", 0) - warm.get("captures", 0))
 
 
-def test_transformers_kimi_k25_tower_matches_eager_bf16():
-    """transformers' Kimi-K2.5 tower (tiny, random weights) on CUDA in bf16, through kimi_cg.testing:
-    correct outputs, every graph lifted and its device calls replayed as CUDA graphs (as on CPU, where
-    tests/test_foreign_towers.py checks the same on the padded path)."""
+# Frame counts per item in the fuzz: transformers 5.17's Kimi-K2.5 temporal merger needs one t per batch
+# (images only); GLM-4V takes one [1, h, w] row per frame; Qwen2-VL and Qwen2.5-VL take 2-temporal-patch
+# videos. Qwen2.5-VL's first calls run eagerly and then unpadded while its forward is traced (NOTE
+# [settings ladder]; tests/test_foreign_towers.py's FALLBACKS_WHILE_TRACING).
+FOREIGN_GPU_TOWERS = {"kimi_k25": 0.0, "qwen2_vl": 0.3, "qwen2_5_vl": 0.3, "glm4v": 0.0}
+
+
+@pytest.mark.parametrize("tower_name", sorted(FOREIGN_GPU_TOWERS))
+def test_transformers_tower_matches_eager_bf16(tower_name):
+    """transformers' vision towers (tiny, random weights) on CUDA in bf16 with Inductor programs and a
+    NaN-poisoned graph pool, through kimi_cg.testing: correct outputs, every graph lifted and its device
+    calls replayed as CUDA graphs (as on CPU, where tests/test_foreign_towers.py checks the same on the
+    padded path)."""
     from towers import TowerUnavailable
-    from towers.transformers_towers import build_kimi_k25
+    from towers.transformers_towers import FACTORIES
 
     try:
-        tower = build_kimi_k25("sdpa", seed=0)
+        tower = FACTORIES[tower_name]("sdpa", seed=0)
     except TowerUnavailable as reason:
         pytest.skip(str(reason))
     reference = tower.model.cuda()
@@ -113,21 +122,23 @@ def test_transformers_kimi_k25_tower_matches_eager_bf16():
 
     def make_inputs(grid):
         pixels, grid_thw = tower.make_inputs(grid)
-        return pixels.cuda().bfloat16(), grid_thw.cuda()  # this tower builds its indices on grid_thw's device
+        return pixels.cuda().bfloat16(), grid_thw.cuda()  # these towers build their indices on grid_thw's device
 
     compiled = torch.compile(model, backend="kimi_cg", options={"poison_graph_pool": True})
-    # transformers 5.17's temporal merger needs one t per batch: images only here.
-    strategy = kimi_cg.testing.grids(dims=3, max_items=4, max_side=16, max_patches=1024, video_fraction=0.0)
+    video = FOREIGN_GPU_TOWERS[tower_name]
+    strategy = kimi_cg.testing.grids(dims=3, max_items=4, max_side=16, max_patches=1024, video_fraction=video,
+                                     max_frames=2 if video else 1)
     report = kimi_cg.testing.assert_matches_eager(model, compiled, make_inputs, strategy, reference=reference,
                                                   outputs=tower.extract_outputs, max_examples=24)
     counters = dict(kimi_cg.counters)
-    _record("transformers-kimi_k25-tiny", report, counters)
+    _record(f"transformers-{tower_name}-tiny", report, counters)
     assert counters.get("lift_fallbacks", 0) == 0 and counters.get("call_fallbacks", 0) == 0, counters
     assert counters.get("graph_replays", 0) > 0 and counters.get("padding_hazards", 0) == 0, counters
-    # Every call fits the default buckets (<= 1024 patches), so none runs the plain program: on transformers
-    # 5.17 (gather-and-mean temporal merge) that needs GatherReducePass; 2026-12-01 on the H200, before it,
-    # 24 of 48 device calls ran unpadded.
-    assert counters.get("eager_fallbacks", 0) == 0, counters
+    # Every call fits the default buckets (<= 1024 patches), so none runs the plain program once traced:
+    # for Kimi-K2.5 on transformers 5.17 (gather-and-mean temporal merge) that needs GatherReducePass;
+    # 2026-12-01 on the H200, before it, 24 of 48 device calls ran unpadded.
+    if tower_name != "qwen2_5_vl":
+        assert counters.get("eager_fallbacks", 0) == 0, counters
 
 
 @pytest.mark.parametrize("tower", ["moonvit", "moonvit3d"])
