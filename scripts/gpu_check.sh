@@ -41,7 +41,7 @@ testing=
 want cpu && (CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=4 python3 -P -m pytest -q -p no:cacheprovider --durations=5 \
   tests/test_testing.py tests/test_dumps.py > "$OUT/testing_dump_tests.txt" 2>&1) &
 want cpu && testing=$!
-want gpu && { python3 -P -m pytest -v -p no:cacheprovider --durations=10 tests/test_gpu.py tests/test_kernels.py tests/test_varlen_attention.py \
+want gpu && { python3 -P -m pytest -v -p no:cacheprovider --durations=10 tests/test_gpu.py tests/test_kernels.py tests/test_varlen_attention.py tests/test_varlen_work_list.py \
   tests/test_data_parallel.py \
   > "$OUT/gpu_tests.txt" 2>&1 || status=1; tail -15 "$OUT/gpu_tests.txt"; }
 if [ -n "$core" ]; then wait $core || status=1; tail -8 "$OUT/core_tests.txt"; fi

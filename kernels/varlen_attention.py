@@ -1,0 +1,186 @@
+"""Varlen attention driven by a host-planned work list (issue 14's "host-planned varlen attention").
+
+    q, k, v: [T, H, D]  float32 / bfloat16 / float16, packed rows of every segment
+    work:    [W, 4]     int32; entry (q_start, q_end, k_start, k_end): the query rows
+                        [q_start, q_end) (at most BLOCK_M of them) attend to the key rows
+                        [k_start, k_end); an entry with q_end <= q_start does nothing
+    out:     [T, H, D]  q.dtype, the softmax(q k^T * scale) v of each entry's rows
+
+The host knows every segment of a call (kimi_cg lifts cu_seqlens into the host pass), so it plans
+exactly the (segment, query block) pairs that have rows. A kernel launched over a bucket's padded
+work list runs those and returns at once for the padding entries: its cost follows the call's
+patches, not the bucket's capacity, and empty segments cost nothing. flash kernels given
+``max_seqlen`` = the bucket capacity launch capacity / 128 query blocks per segment instead (the
+profile in docs/benchmarks.md).
+
+Padding rows of a bucket ([L, C) after the call's L rows) need some finite output and nobody reads
+it: ``plan_work_list(..., padding_from=L)`` makes each block of them attend only to itself, so their
+cost is linear in C - L (one trailing segment [L, C) would be quadratic).
+
+NOTE [masked loads, not multiplied ones]
+Keys and values outside an entry's range are never read: their loads are masked (rows of another
+segment, or of a CUDA-graph pool, may hold NaN, and 0 * NaN is NaN). Every output row must be
+covered by exactly one entry: rows no entry covers stay as torch.empty left them
+(``work_list_rows`` lists the covered rows, for checks).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+WORK_ENTRY = 4  # q_start, q_end, k_start, k_end
+BLOCK_M = 64
+BLOCK_N = 64
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read when @triton.jit below decides, too
+
+
+@triton.jit
+def _work_list_attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, work_ptr,
+    q_row_stride, q_head_stride, k_row_stride, k_head_stride,
+    v_row_stride, v_head_stride, out_row_stride, out_head_stride,
+    qk_scale,  # the softmax scale times log2(e): the kernel works in powers of two
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,  # products in float32 (Triton 3.6's interpreter computes bfloat16 tl.dot wrongly)
+):
+    entry = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    q_start = tl.load(work_ptr + entry * 4).to(tl.int64)
+    q_end = tl.load(work_ptr + entry * 4 + 1).to(tl.int64)
+    k_start = tl.load(work_ptr + entry * 4 + 2).to(tl.int64)
+    k_end = tl.load(work_ptr + entry * 4 + 3).to(tl.int64)
+    if q_end > q_start:
+        rows = q_start + tl.arange(0, BLOCK_M)
+        dims = tl.arange(0, BLOCK_D)
+        row_ok = rows < q_end
+        dim_ok = dims < HEAD_DIM  # a head dim that is not a power of two (72) is masked, never read
+        q = tl.load(q_ptr + rows[:, None] * q_row_stride + head * q_head_stride + dims[None, :],
+                    mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        running_sum = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        start = k_start
+        # A while loop: Triton 3.6's interpreter cannot take a loaded scalar as a range() bound under
+        # NumPy >= 2.4 (and the compiled kernel runs both the same way).
+        while start < k_end:
+            cols = start + tl.arange(0, BLOCK_N)
+            col_ok = cols < k_end
+            load_mask = col_ok[:, None] & dim_ok[None, :]
+            keys = tl.load(k_ptr + cols[:, None] * k_row_stride + head * k_head_stride + dims[None, :],
+                           mask=load_mask, other=0.0)
+            if UPCAST:
+                keys = keys.to(tl.float32)
+            scores = tl.dot(q, tl.trans(keys), input_precision=INPUT_PRECISION) * qk_scale
+            scores = tl.where(col_ok[None, :], scores, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, 1))
+            rescale = tl.exp2(running_max - new_max)
+            weights = tl.exp2(scores - new_max[:, None])
+            running_sum = running_sum * rescale + tl.sum(weights, 1)
+            values = tl.load(v_ptr + cols[:, None] * v_row_stride + head * v_head_stride + dims[None, :],
+                             mask=load_mask, other=0.0)
+            weights = weights.to(values.dtype)  # rounded to the input dtype, as flash kernels do
+            if UPCAST:
+                weights = weights.to(tl.float32)
+                values = values.to(tl.float32)
+            acc = acc * rescale[:, None] + tl.dot(weights, values, input_precision=INPUT_PRECISION)
+            running_max = new_max
+            start += BLOCK_N
+        out = acc / running_sum[:, None]
+        tl.store(out_ptr + rows[:, None] * out_row_stride + head * out_head_stride + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+def work_list_capacity(rows: int, segments: int, block_m: int = BLOCK_M) -> int:
+    """Entries enough for any call of at most ``rows`` rows in at most ``segments`` segments (each
+    segment adds at most one partial query block), padding rows included."""
+    return rows // block_m + segments + 1
+
+
+def plan_work_list(cu_seqlens: Sequence[int], *, block_m: int = BLOCK_M, padding_from: int | None = None,
+                   entries: int | None = None) -> torch.Tensor:
+    """The work list of one call: one entry per query block of each segment of ``cu_seqlens`` (host
+    integers, non-decreasing from 0). Rows from ``padding_from`` on (a bucket's padding: they must
+    lie in the last segment) are planned as blocks that attend to themselves. ``entries`` pads the
+    list with no-op entries to a fixed length (a bucket's static buffer); a call that needs more
+    raises ValueError."""
+    bounds = [int(b) for b in cu_seqlens]
+    if not bounds or bounds[0] != 0 or any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing; got {bounds[:16]}")
+    if block_m <= 0:
+        raise ValueError(f"block_m must be positive; got {block_m}")
+    last_start = bounds[-2] if len(bounds) > 1 else 0
+    if padding_from is not None and not last_start <= padding_from <= bounds[-1]:
+        raise ValueError(f"padding rows [{padding_from}, {bounds[-1]}) must lie in the last segment of {bounds[-3:]}")
+    work = []
+    for start, end in zip(bounds, bounds[1:]):
+        real_end = end if padding_from is None else min(end, max(start, padding_from))
+        for q in range(start, real_end, block_m):
+            work.append((q, min(q + block_m, real_end), start, real_end))
+        for q in range(real_end, end, block_m):  # padding rows: each block attends to itself
+            work.append((q, min(q + block_m, end), q, min(q + block_m, end)))
+    if entries is not None:
+        if len(work) > entries:
+            raise ValueError(f"the call needs {len(work)} work entries; the buffer holds {entries}")
+        work.extend([(0, 0, 0, 0)] * (entries - len(work)))
+    return torch.tensor(work, dtype=torch.int32).reshape(-1, WORK_ENTRY)
+
+
+def work_list_rows(work: torch.Tensor) -> torch.Tensor:
+    """How many entries cover each query row (each must be covered exactly once): for checks."""
+    entries = work.to(torch.int64).cpu().tolist()
+    rows = max((q_end for _, q_end, _, _ in entries), default=0)
+    counts = torch.zeros(rows, dtype=torch.int64)
+    for q_start, q_end, _, _ in entries:
+        if q_end > q_start:
+            counts[q_start:q_end] += 1
+    return counts
+
+
+def work_list_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, work: torch.Tensor,
+                        scale: float | None = None, block_m: int = BLOCK_M, block_n: int = BLOCK_N,
+                        num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale) v for each entry of ``work`` (see the module docstring); ``work`` must have
+    been planned with the same ``block_m``. ``num_warps`` / ``num_stages``: Triton's launch options
+    (scripts/attention_bench.py sweeps them)."""
+    if q.dim() != 3 or k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"q, k, v must share one shape [T, H, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.dtype not in _FLOAT_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share one float dtype of {_FLOAT_DTYPES}; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if work.dim() != 2 or work.shape[1] != WORK_ENTRY or work.dtype != torch.int32 or work.device != q.device:
+        raise ValueError(f"work must be int32 [W, 4] on {q.device}; got {work.dtype} {tuple(work.shape)} on {work.device}")
+    if any(t.stride(-1) != 1 for t in (q, k, v)):
+        raise ValueError("q, k, v need a contiguous last dim")
+    head_dim = q.shape[-1]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    out = torch.empty_like(q)
+    if work.shape[0] == 0 or q.shape[0] == 0:
+        return out
+    work = work.contiguous()
+    grid = (work.shape[0], q.shape[1])
+    _work_list_attention_kernel[grid](
+        q, k, v, out, work,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        scale * math.log2(math.e),
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        INPUT_PRECISION="ieee" if q.dtype == torch.float32 or _INTERPRETED else "tf32",
+        UPCAST=_INTERPRETED and q.dtype != torch.float32,
+        **{name: value for name, value in (("num_warps", num_warps), ("num_stages", num_stages)) if value is not None},
+    )
+    return out
