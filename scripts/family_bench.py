@@ -12,6 +12,7 @@ reference the issue's target is relative to:
               layers 7, 15, 23, 31)
   qwen2_vl    Qwen2-VL-7B's tower, 32 x 1280
   glm4v       GLM-4.1V's tower, 24 x 1536
+  qwen3_vl    Qwen3-VL-8B's tower, 27 x 1152, patches of 16 pixels, deepstack mergers after layers 8, 16, 24
 For each family:
 1. fuzz: ``kimi_cg.testing.assert_matches_eager`` on --fuzz-examples random batches (2x-eager-bf16 rule
    against an fp32 copy, NaN-poisoned CUDA-graph pool), then the counters of those calls;
@@ -72,6 +73,16 @@ def _config(family: str, tiny: bool):
             depth=32, embed_dim=1280, hidden_size=3584, num_heads=16)
         return Qwen2VisionTransformerPretrainedModel, Qwen2VLVisionConfig(
             in_channels=3, patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=2, mlp_ratio=4, **size)
+    if family == "qwen3_vl":
+        from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+        size = dict(depth=2, hidden_size=64, intermediate_size=96, out_hidden_size=48, num_heads=4, num_position_embeddings=64,
+                    deepstack_visual_indexes=[0]) if tiny else dict(
+            depth=27, hidden_size=1152, intermediate_size=4304, out_hidden_size=4096, num_heads=16,
+            num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24])
+        return Qwen3VLVisionModel, Qwen3VLVisionConfig(in_channels=3, patch_size=16, spatial_merge_size=MERGE,
+                                                       temporal_patch_size=2, **size)
     if family == "glm4v":
         from transformers.models.glm4v.configuration_glm4v import Glm4vVisionConfig
         from transformers.models.glm4v.modeling_glm4v import Glm4vVisionModel
@@ -94,7 +105,9 @@ def build(family: str, tiny: bool, device: str, dtype: torch.dtype):
 
 
 def row_width(family: str, config) -> int:
-    return 3 * PATCH * PATCH if family in ("kimi_k25", "moonvit") else config.in_channels * config.temporal_patch_size * PATCH * PATCH
+    if family in ("kimi_k25", "moonvit"):
+        return 3 * PATCH * PATCH
+    return config.in_channels * config.temporal_patch_size * config.patch_size * config.patch_size
 
 
 def inputs_for(family: str, config, device: str, dtype: torch.dtype):
@@ -210,7 +223,7 @@ def run_family(family: str, args, device: str, dtype: torch.dtype, report: dict,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--families", default="moonvit,kimi_k25,qwen2_5_vl,qwen2_vl,glm4v")
+    parser.add_argument("--families", default="moonvit,kimi_k25,qwen2_5_vl,qwen2_vl,glm4v,qwen3_vl")
     parser.add_argument("--systems", default="eager,inductor,kimi_cg", help="comma-separated; none: fuzz only")
     parser.add_argument("--requests", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=10)

@@ -1,6 +1,6 @@
 """Vision towers nobody on the project wrote, compiled unmodified with backend="kimi_cg", against eager.
 
-The corpus (tests/towers/): transformers' Kimi-K2.5, Qwen2-VL, Qwen2.5-VL (window attention) and GLM-4V
+The corpus (tests/towers/): transformers' Kimi-K2.5, Qwen2-VL, Qwen2.5-VL (window attention), GLM-4V and Qwen3-VL
 vision towers, and MoonViT as its upstream remote code ships it (plain asserts; eager, sdpa and a
 flash-attn stand-in op). Every tower is tiny (hidden 64, 2 layers, head dim 16) with random weights and
 is called on three grids: one item, two items, two items of other sizes (the same item count again, so
@@ -63,6 +63,12 @@ GRIDS = {
         [[1, 4, 4], [1, 6, 2]],
         [[1, 12, 10], [1, 12, 10]],
     ],
+    # Qwen3-VL: as Qwen2-VL; the last grid holds a video of 2 temporal patches.
+    "qwen3_vl": [
+        [[1, 4, 6]],
+        [[1, 4, 4], [1, 6, 2]],
+        [[2, 2, 4], [1, 10, 4]],
+    ],
     # [h, w] rows (Kimi-VL has images only).
     "upstream_moonvit": [
         [[4, 6]],
@@ -74,12 +80,12 @@ GRIDS = {
 # Towers whose every graph with activations lifts (no lift fallback, no call fallback) on these grids:
 # a ratchet, so a change that stops lifting one fails here. Kimi-VL's MoonViT with the flash stand-in
 # needs its op registered (test_a_registered_flash_op_takes_max_seqlen_as_an_upper_bound).
-NO_LIFT_FALLBACK = {f"{name}-{attn}" for name in ("kimi_k25", "qwen2_vl", "qwen2_5_vl", "glm4v", "upstream_moonvit")
+NO_LIFT_FALLBACK = {f"{name}-{attn}" for name in ("kimi_k25", "qwen2_vl", "qwen2_5_vl", "glm4v", "qwen3_vl", "upstream_moonvit")
                     for attn in ("sdpa", "eager")}
 
 CASES = [
     pytest.param(TRANSFORMERS_FACTORIES[name], name, attn, id=f"{name}-{attn}")
-    for name in ("kimi_k25", "qwen2_vl", "qwen2_5_vl", "glm4v")
+    for name in ("kimi_k25", "qwen2_vl", "qwen2_5_vl", "glm4v", "qwen3_vl")
     for attn in ("sdpa", "eager")
 ] + [
     pytest.param(build_upstream_moonvit, "upstream_moonvit", attn, id=f"upstream_moonvit-{attn}")
@@ -148,7 +154,7 @@ def test_compiled_tower_matches_eager(factory, tower_name, attn_implementation):
 # The bucketed, padded path (what CUDA graphs replay; on CPU the same padding runs without capture):
 # every rewrite's padding rule is exercised on real towers. Kimi-K2.5 replays every device call.
 BUCKET_OPTIONS = {"cuda_graphs": True, "token_budgets": [32, 64, 128, 256]}
-REPLAYS_EVERY_CALL = {"kimi_k25", "qwen2_vl", "qwen2_5_vl", "glm4v"}
+REPLAYS_EVERY_CALL = {"kimi_k25", "qwen2_vl", "qwen2_5_vl", "glm4v", "qwen3_vl"}
 # Device-program calls (replays or plain runs) per tower call once traced: the pieces around graph
 # breaks, not one per layer. Kimi-K2.5 breaks at `int(t > 1)`; Qwen2-VL and GLM-4V break once, at the
 # per-frame `repeat_interleave` (NOTE [settings ladder] in kimi_cg/dynamo_settings.py), and the rest
@@ -158,7 +164,7 @@ REPLAYS_EVERY_CALL = {"kimi_k25", "qwen2_vl", "qwen2_5_vl", "glm4v"}
 # size, no static bucket buffer) and a seq_len argument: those calls run the plain device program. Once
 # the forward is traced, every call replays.
 FALLBACKS_WHILE_TRACING = {"qwen2_5_vl"}
-DEVICE_CALLS_PER_CALL = {"kimi_k25": 2, "qwen2_vl": 1, "qwen2_5_vl": 1, "glm4v": 1}
+DEVICE_CALLS_PER_CALL = {"kimi_k25": 2, "qwen2_vl": 1, "qwen2_5_vl": 1, "glm4v": 1, "qwen3_vl": 1}
 # Device programs per piece (a frame dynamo traces, read from the debug dump): the static first trace and
 # the dynamic one. Qwen2.5-VL's nested permute_input_for_window_attn, traced on its own while the forward
 # runs eagerly, is called with the hidden states and the rotary table: static, dynamic rows, dynamic
@@ -166,7 +172,7 @@ DEVICE_CALLS_PER_CALL = {"kimi_k25": 2, "qwen2_vl": 1, "qwen2_5_vl": 1, "glm4v":
 PROGRAMS_PER_PIECE = {("qwen2_5_vl", "permute_input_for_window_attn"): 3}
 
 
-@pytest.mark.parametrize("tower_name", ["kimi_k25", "qwen2_vl", "qwen2_5_vl", "glm4v", "upstream_moonvit"])
+@pytest.mark.parametrize("tower_name", ["kimi_k25", "qwen2_vl", "qwen2_5_vl", "glm4v", "qwen3_vl", "upstream_moonvit"])
 def test_bucketed_path_matches_eager(tower_name, tmp_path):
     from kimi_cg.debug.dump import read_index
 

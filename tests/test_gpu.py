@@ -98,10 +98,10 @@ def test_graph_replays_match_eager_bf16(tower, size, count):
 
 
 # Frame counts per item in the fuzz: transformers 5.17's Kimi-K2.5 temporal merger needs one t per batch
-# (images only); GLM-4V takes one [1, h, w] row per frame; Qwen2-VL and Qwen2.5-VL take 2-temporal-patch
+# (images only); GLM-4V takes one [1, h, w] row per frame; the Qwen towers take 2-temporal-patch
 # videos. Qwen2.5-VL's first calls run eagerly and then unpadded while its forward is traced (NOTE
 # [settings ladder]; tests/test_foreign_towers.py's FALLBACKS_WHILE_TRACING).
-FOREIGN_GPU_TOWERS = {"kimi_k25": 0.0, "qwen2_vl": 0.3, "qwen2_5_vl": 0.3, "glm4v": 0.0}
+FOREIGN_GPU_TOWERS = {"kimi_k25": 0.0, "qwen2_vl": 0.3, "qwen2_5_vl": 0.3, "glm4v": 0.0, "qwen3_vl": 0.3}
 
 
 @pytest.mark.parametrize("tower_name", sorted(FOREIGN_GPU_TOWERS))

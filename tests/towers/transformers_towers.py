@@ -181,9 +181,32 @@ def build_glm4v(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
     return Tower(f"glm4v[{attn_implementation}]", model, make_inputs, tensors_of)
 
 
+def build_qwen3_vl(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
+    """transformers' Qwen3-VL vision tower: a learned 8x8 position table resampled bilinearly per item
+    (``fast_pos_embed_interpolate``: ``repeat_interleave`` by per-item counts), per-frame attention and
+    "deepstack" mergers after chosen layers (here layer 0), whose features it returns beside the last."""
+    config_class, model_class = _load("qwen3_vl", "Qwen3VLVisionConfig", "Qwen3VLVisionModel")
+    config = config_class(
+        depth=LAYERS,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        out_hidden_size=OUT_HIDDEN,
+        num_heads=HEADS,
+        in_channels=3,
+        patch_size=PATCH,
+        spatial_merge_size=MERGE,
+        temporal_patch_size=TEMPORAL_PATCH,
+        num_position_embeddings=64,  # an 8x8 learned position table
+        deepstack_visual_indexes=[0],
+    )
+    model = _build(model_class, config, attn_implementation, seed)
+    return Tower(f"qwen3_vl[{attn_implementation}]", model, _qwen_style_inputs(3, seed), tensors_of)
+
+
 FACTORIES = {
     "kimi_k25": build_kimi_k25,
     "qwen2_vl": build_qwen2_vl,
     "qwen2_5_vl": build_qwen2_5_vl,
     "glm4v": build_glm4v,
+    "qwen3_vl": build_qwen3_vl,
 }
