@@ -69,6 +69,17 @@ GRIDS = {
         [[1, 4, 4], [1, 6, 2]],
         [[2, 2, 4], [1, 10, 4]],
     ],
+    # Qwen3.5 and GLM-OCR (the bucketed test only: no code of their own in kimi_cg, checked for replays).
+    "qwen3_5": [
+        [[1, 4, 6]],
+        [[1, 4, 4], [1, 6, 2]],
+        [[2, 2, 4], [1, 10, 4]],
+    ],
+    "glm_ocr": [
+        [[1, 4, 6]],
+        [[1, 4, 4], [1, 6, 2]],
+        [[1, 2, 4], [1, 10, 4]],
+    ],
     # [h, w] rows (Kimi-VL has images only).
     "upstream_moonvit": [
         [[4, 6]],
@@ -154,7 +165,7 @@ def test_compiled_tower_matches_eager(factory, tower_name, attn_implementation):
 # The bucketed, padded path (what CUDA graphs replay; on CPU the same padding runs without capture):
 # every rewrite's padding rule is exercised on real towers. Kimi-K2.5 replays every device call.
 BUCKET_OPTIONS = {"cuda_graphs": True, "token_budgets": [32, 64, 128, 256]}
-REPLAYS_EVERY_CALL = {"kimi_k25", "qwen2_vl", "qwen2_5_vl", "glm4v", "qwen3_vl"}
+REPLAYS_EVERY_CALL = {"kimi_k25", "qwen2_vl", "qwen2_5_vl", "glm4v", "qwen3_vl", "qwen3_5", "glm_ocr"}
 # Device-program calls (replays or plain runs) per tower call once traced: the pieces around graph
 # breaks, not one per layer. Kimi-K2.5 breaks at `int(t > 1)`; Qwen2-VL and GLM-4V break once, at the
 # per-frame `repeat_interleave` (NOTE [settings ladder] in kimi_cg/dynamo_settings.py), and the rest
@@ -164,7 +175,7 @@ REPLAYS_EVERY_CALL = {"kimi_k25", "qwen2_vl", "qwen2_5_vl", "glm4v", "qwen3_vl"}
 # size, no static bucket buffer) and a seq_len argument: those calls run the plain device program. Once
 # the forward is traced, every call replays.
 FALLBACKS_WHILE_TRACING = {"qwen2_5_vl"}
-DEVICE_CALLS_PER_CALL = {"kimi_k25": 2, "qwen2_vl": 1, "qwen2_5_vl": 1, "glm4v": 1, "qwen3_vl": 1}
+DEVICE_CALLS_PER_CALL = {"kimi_k25": 2, "qwen2_vl": 1, "qwen2_5_vl": 1, "glm4v": 1, "qwen3_vl": 1, "qwen3_5": 1, "glm_ocr": 1}
 # Device programs per piece (a frame dynamo traces, read from the debug dump): the static first trace and
 # the dynamic one. Qwen2.5-VL's nested permute_input_for_window_attn, traced on its own while the forward
 # runs eagerly, is called with the hidden states and the rotary table: static, dynamic rows, dynamic
@@ -172,7 +183,8 @@ DEVICE_CALLS_PER_CALL = {"kimi_k25": 2, "qwen2_vl": 1, "qwen2_5_vl": 1, "glm4v":
 PROGRAMS_PER_PIECE = {("qwen2_5_vl", "permute_input_for_window_attn"): 3}
 
 
-@pytest.mark.parametrize("tower_name", ["kimi_k25", "qwen2_vl", "qwen2_5_vl", "glm4v", "qwen3_vl", "upstream_moonvit"])
+@pytest.mark.parametrize("tower_name", ["kimi_k25", "qwen2_vl", "qwen2_5_vl", "glm4v", "qwen3_vl", "qwen3_5", "glm_ocr",
+                                        "upstream_moonvit"])
 def test_bucketed_path_matches_eager(tower_name, tmp_path):
     from kimi_cg.debug.dump import read_index
 

@@ -203,10 +203,32 @@ def build_qwen3_vl(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
     return Tower(f"qwen3_vl[{attn_implementation}]", model, _qwen_style_inputs(3, seed), tensors_of)
 
 
+def build_qwen3_5(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
+    """transformers' Qwen3.5 vision tower: Qwen3-VL's without the deepstack mergers."""
+    config_class, model_class = _load("qwen3_5", "Qwen3_5VisionConfig", "Qwen3_5VisionModel")
+    config = config_class(depth=LAYERS, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, out_hidden_size=OUT_HIDDEN,
+                          num_heads=HEADS, in_channels=3, patch_size=PATCH, spatial_merge_size=MERGE,
+                          temporal_patch_size=TEMPORAL_PATCH, num_position_embeddings=64)
+    model = _build(model_class, config, attn_implementation, seed)
+    return Tower(f"qwen3_5[{attn_implementation}]", model, _qwen_style_inputs(3, seed), tensors_of)
+
+
+def build_glm_ocr(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
+    """transformers' GLM-OCR vision tower (GLM-4V's layout, per-frame attention, images here)."""
+    config_class, model_class = _load("glm_ocr", "GlmOcrVisionConfig", "GlmOcrVisionModel")
+    config = config_class(depth=LAYERS, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, out_hidden_size=OUT_HIDDEN,
+                          num_heads=HEADS, in_channels=3, patch_size=PATCH, spatial_merge_size=MERGE,
+                          temporal_patch_size=TEMPORAL_PATCH, image_size=8 * PATCH)
+    model = _build(model_class, config, attn_implementation, seed)
+    return Tower(f"glm_ocr[{attn_implementation}]", model, _qwen_style_inputs(3, seed), tensors_of)
+
+
 FACTORIES = {
     "kimi_k25": build_kimi_k25,
     "qwen2_vl": build_qwen2_vl,
     "qwen2_5_vl": build_qwen2_5_vl,
     "glm4v": build_glm4v,
     "qwen3_vl": build_qwen3_vl,
+    "qwen3_5": build_qwen3_5,
+    "glm_ocr": build_glm_ocr,
 }
