@@ -67,9 +67,23 @@ def structural_hash(gm: torch.fx.GraphModule, shape_free_inputs: frozenset[int] 
         target = node.target if isinstance(node.target, str) else getattr(node.target, "__qualname__", str(node.target))
         if node.op == "placeholder":
             target = str(placeholder_index)
+        elif node.op == "get_attr":  # a constant is part of the program: its values key it too
+            kind = _constant_key(gm, node.target)
         module = getattr(node.target, "__module__", "")
         lines.append(f"{node.op}|{module}.{target}|{args!r}|{kwargs!r}|{kind}")
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:20]
+
+
+def _constant_key(gm: torch.fx.GraphModule, target: str) -> str:
+    value = gm
+    for name in target.split("."):
+        value = getattr(value, name, None)
+    if not isinstance(value, torch.Tensor):
+        return type(value).__name__
+    if value.numel() > 1 << 20:  # a large constant: keyed by identity (correct, shares less)
+        return f"{value.dtype}:{tuple(value.shape)}:id{id(value)}"
+    data = value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    return f"{value.dtype}:{tuple(value.shape)}:{hashlib.sha256(data).hexdigest()[:16]}"
 
 
 class DeviceProgram:

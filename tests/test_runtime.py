@@ -347,3 +347,21 @@ def test_an_inductor_device_program_traced_with_a_symbolic_width_takes_every_wid
         out = device(x)
         out = out[0] if isinstance(out, (list, tuple)) else out
         torch.testing.assert_close(out, program(x), rtol=1e-6, atol=1e-6)
+
+
+def test_device_programs_with_other_constant_tensors_do_not_share_a_hash():
+    """A graph's constant tensors (get_attr) are part of its program: two graphs equal but for a
+    constant's values must not share the first one's compiled program (a wrong number)."""
+    from kimi_cg.device_program import structural_hash
+
+    class AddsAConstant(torch.nn.Module):
+        def __init__(self, value):
+            super().__init__()
+            self.offset = torch.full((4,), float(value))
+
+        def forward(self, x):
+            return x + self.offset
+
+    hashes = [structural_hash(torch.fx.symbolic_trace(AddsAConstant(value))) for value in (1, 1, 2)]
+    assert hashes[0] == hashes[1]
+    assert hashes[0] != hashes[2]
