@@ -244,7 +244,7 @@ def compile_with_inductor(gm: torch.fx.GraphModule, inputs, host_inputs: frozens
 
     Without Inductor's FX graph and AOT autograd caches: an entry's guards cover the graph's SymInt
     inputs only, on the assumption that each symbolic tensor size has one (dynamo's graphs do). A device
-    program's fakes carry symbols of their own, so a guard relating a size input to a tensor size names
+    program's fakes hold symbols of their own, so a guard relating a size input to a tensor size names
     a tensor the cache cannot bind, and the next process's lookup raised NameError (that program then
     never ran lifted)."""
     import torch._functorch.config as functorch_config

@@ -308,7 +308,7 @@ assert torch.equal(out[0] if isinstance(out, (list, tuple)) else out, program(ro
 
 def test_an_inductor_device_program_compiles_again_in_a_process_with_a_warm_inductor_cache(tmp_path):
     """Inductor's FX graph cache stores guards over the graph's SymInt inputs only, assuming every
-    symbolic tensor size has one (true of dynamo's graphs, not of device programs, whose fakes carry
+    symbolic tensor size has one (true of dynamo's graphs, not of device programs, whose fakes hold
     symbols of their own): the guard of the second process named an unknown tensor, raised NameError,
     and every call of that program ran the captured graph (transformers' Qwen2.5-VL, second run on a
     machine)."""
