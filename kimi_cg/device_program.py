@@ -160,7 +160,7 @@ class DeviceProgram:
         return rows
 
 
-def _symbolic_fakes(inputs, fake_mode, host_inputs: frozenset[int], traced=()):
+def _symbolic_fakes(inputs, fake_mode, host_inputs: frozenset[int], traced):
     """Fake inputs whose sizes are symbols (no duck sizing, no 0/1 specialisation), so the compiled
     program is valid for every patch count; dims that must agree (pixels and position embeddings
     both have L rows) are unified by the guards the ops themselves add while tracing. Activations
@@ -178,9 +178,9 @@ def _symbolic_fakes(inputs, fake_mode, host_inputs: frozenset[int], traced=()):
                 dynamic = [DimDynamic.STATIC] * value.dim()
             else:
                 example = traced[position] if position < len(traced) else None
-                symbolic = [isinstance(size, torch.SymInt) for size in example.shape] \
-                    if isinstance(example, torch.Tensor) and example.dim() == value.dim() else [False] * value.dim()
-                dynamic = [DimDynamic.DYNAMIC] + [DimDynamic.DYNAMIC if sym else DimDynamic.STATIC for sym in symbolic[1:]]
+                shape = example.shape if isinstance(example, torch.Tensor) and example.dim() == value.dim() else value.shape
+                dynamic = [DimDynamic.DYNAMIC] + [
+                    DimDynamic.DYNAMIC if isinstance(size, torch.SymInt) else DimDynamic.STATIC for size in shape[1:]]
             context = StatelessSymbolicContext(dynamic_sizes=dynamic)
             fakes.append(fake_mode.from_tensor(value, symbolic_context=context))
         else:

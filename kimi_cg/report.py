@@ -15,6 +15,15 @@ import os
 import sys
 
 
+def device_programs_per_frame(graphs: list[dict]) -> dict[str, set[str]]:
+    """Each frame's (a piece's) distinct device programs, from a dump's index entries."""
+    programs: dict[str, set[str]] = collections.defaultdict(set)
+    for graph in graphs:
+        if graph.get("device_program"):
+            programs[graph["frame"]].add(graph["device_program"])
+    return programs
+
+
 def summarize(folder: str, slowest: int = 5) -> str:
     """The summary of one run folder (index.json and calls.jsonl), as text."""
     with open(os.path.join(folder, "index.json")) as f:
@@ -29,10 +38,7 @@ def summarize(folder: str, slowest: int = 5) -> str:
     frames = collections.Counter(graph["frame"] for graph in graphs)
     lines.append(f"graphs: {len(graphs)} ({', '.join(f'{n} {s}' for s, n in statuses.most_common())}) "
                  f"in {len(frames)} frame(s); device programs: {len({g.get('device_program') for g in graphs} - {None})}")
-    programs = collections.defaultdict(set)  # per frame (a piece): its distinct device programs
-    for graph in graphs:
-        if graph.get("device_program"):
-            programs[graph["frame"]].add(graph["device_program"])
+    programs = device_programs_per_frame(graphs)
     for frame, count in frames.most_common():
         lines.append(f"  {count:4d} x {frame}: {len(programs[frame])} device program(s)")
     failed = [graph for graph in graphs if graph["status"].startswith("fell back")]

@@ -190,6 +190,7 @@ PROGRAMS_PER_PIECE = {("qwen2_5_vl", "permute_input_for_window_attn"): 3}
                                         "upstream_moonvit"])
 def test_bucketed_path_matches_eager(tower_name, tmp_path):
     from kimi_cg.debug.dump import read_index
+    from kimi_cg.report import device_programs_per_frame
 
     factory = TRANSFORMERS_FACTORIES.get(tower_name, build_upstream_moonvit)
     tower = build_tower(factory, "sdpa")
@@ -213,10 +214,7 @@ def test_bucketed_path_matches_eager(tower_name, tmp_path):
         assert tower_name in FALLBACKS_WHILE_TRACING or kimi_cg.counters["eager_fallbacks"] == 0, dict(kimi_cg.counters)
     if tower_name in DEVICE_CALLS_PER_CALL:  # the last grid's call, traced by then
         assert 1 <= device_calls <= DEVICE_CALLS_PER_CALL[tower_name], (device_calls, dict(kimi_cg.counters))
-    programs = {}
-    for graph in read_index(str(tmp_path)):
-        if graph.get("device_program"):
-            programs.setdefault(graph["frame"], set()).add(graph["device_program"])
+    programs = device_programs_per_frame(read_index(str(tmp_path)))
     assert programs, "no lifted piece"
     over = {frame: len(keys) for frame, keys in programs.items()
             if len(keys) > PROGRAMS_PER_PIECE.get((tower_name, frame.rsplit("(", 1)[-1].rstrip(")")), 2)}

@@ -36,6 +36,10 @@ ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 
 # Shared tiny sizes: head dim 16 (the 2D rotary embeddings need a multiple of 4), patches of 2 pixels.
 HIDDEN, HEADS, LAYERS, INTERMEDIATE, OUT_HIDDEN, PATCH, TEMPORAL_PATCH, MERGE = 64, 4, 2, 96, 48, 2, 2, 2
+# The config fields Qwen2.5-VL, GLM-4V, Qwen3-VL, Qwen3.5 and GLM-OCR name alike.
+TINY_VISION = dict(depth=LAYERS, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, out_hidden_size=OUT_HIDDEN,
+                   num_heads=HEADS, in_channels=3, patch_size=PATCH, spatial_merge_size=MERGE,
+                   temporal_patch_size=TEMPORAL_PATCH)
 
 
 def _load(model_name: str, config_class_name: str, model_class_name: str):
@@ -138,15 +142,7 @@ def build_qwen2_5_vl(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
     window) in layer 0, full attention in layer 1, and the window permutation undone after the merger."""
     config_class, model_class = _load("qwen2_5_vl", "Qwen2_5_VLVisionConfig", "Qwen2_5_VisionTransformerPretrainedModel")
     config = config_class(
-        depth=LAYERS,
-        hidden_size=HIDDEN,
-        intermediate_size=INTERMEDIATE,
-        out_hidden_size=OUT_HIDDEN,
-        num_heads=HEADS,
-        in_channels=3,
-        patch_size=PATCH,
-        spatial_merge_size=MERGE,
-        temporal_patch_size=TEMPORAL_PATCH,
+        **TINY_VISION,
         window_size=2 * MERGE * PATCH,  # in pixels: 2 merged tokens a side
         fullatt_block_indexes=[LAYERS - 1],
     )
@@ -187,15 +183,7 @@ def build_qwen3_vl(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
     "deepstack" mergers after chosen layers (here layer 0), whose features it returns beside the last."""
     config_class, model_class = _load("qwen3_vl", "Qwen3VLVisionConfig", "Qwen3VLVisionModel")
     config = config_class(
-        depth=LAYERS,
-        hidden_size=HIDDEN,
-        intermediate_size=INTERMEDIATE,
-        out_hidden_size=OUT_HIDDEN,
-        num_heads=HEADS,
-        in_channels=3,
-        patch_size=PATCH,
-        spatial_merge_size=MERGE,
-        temporal_patch_size=TEMPORAL_PATCH,
+        **TINY_VISION,
         num_position_embeddings=64,  # an 8x8 learned position table
         deepstack_visual_indexes=[0],
     )
@@ -206,9 +194,7 @@ def build_qwen3_vl(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
 def build_qwen3_5(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
     """transformers' Qwen3.5 vision tower: Qwen3-VL's without the deepstack mergers."""
     config_class, model_class = _load("qwen3_5", "Qwen3_5VisionConfig", "Qwen3_5VisionModel")
-    config = config_class(depth=LAYERS, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, out_hidden_size=OUT_HIDDEN,
-                          num_heads=HEADS, in_channels=3, patch_size=PATCH, spatial_merge_size=MERGE,
-                          temporal_patch_size=TEMPORAL_PATCH, num_position_embeddings=64)
+    config = config_class(**TINY_VISION, num_position_embeddings=64)
     model = _build(model_class, config, attn_implementation, seed)
     return Tower(f"qwen3_5[{attn_implementation}]", model, _qwen_style_inputs(3, seed), tensors_of)
 
@@ -216,9 +202,7 @@ def build_qwen3_5(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
 def build_glm_ocr(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
     """transformers' GLM-OCR vision tower (GLM-4V's layout, per-frame attention, images here)."""
     config_class, model_class = _load("glm_ocr", "GlmOcrVisionConfig", "GlmOcrVisionModel")
-    config = config_class(depth=LAYERS, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, out_hidden_size=OUT_HIDDEN,
-                          num_heads=HEADS, in_channels=3, patch_size=PATCH, spatial_merge_size=MERGE,
-                          temporal_patch_size=TEMPORAL_PATCH, image_size=8 * PATCH)
+    config = config_class(**TINY_VISION, image_size=8 * PATCH)
     model = _build(model_class, config, attn_implementation, seed)
     return Tower(f"glm_ocr[{attn_implementation}]", model, _qwen_style_inputs(3, seed), tensors_of)
 
