@@ -80,6 +80,23 @@ GRIDS = {
         [[1, 4, 4], [1, 6, 2]],
         [[1, 2, 4], [1, 10, 4]],
     ],
+    "hunyuan_vl": [
+        [[1, 4, 6]],
+        [[1, 4, 4], [1, 6, 2]],
+        [[1, 2, 4], [1, 10, 4]],
+    ],
+    # Ernie-4.5-VL attends per frame: the last grid has a 2-frame video.
+    "ernie4_5_vl": [
+        [[1, 4, 6]],
+        [[1, 4, 4], [1, 6, 2]],
+        [[2, 4, 4], [1, 6, 2]],
+    ],
+    # Merge sizes alternate 1, 2 (images, video frames).
+    "video_llama_3": [
+        [[1, 4, 6]],
+        [[1, 4, 4], [1, 6, 2]],
+        [[1, 2, 4], [1, 10, 4]],
+    ],
     # [h, w] rows (Kimi-VL has images only).
     "upstream_moonvit": [
         [[4, 6]],
@@ -168,7 +185,8 @@ def test_compiled_tower_matches_eager(factory, tower_name, attn_implementation):
 # The bucketed, padded path (what CUDA graphs replay; on CPU the same padding runs without capture):
 # every rewrite's padding rule is exercised on real towers. Kimi-K2.5 replays every device call.
 BUCKET_OPTIONS = {"cuda_graphs": True, "token_budgets": [32, 64, 128, 256]}
-REPLAYS_EVERY_CALL = {"kimi_k25", "qwen2_vl", "qwen2_5_vl", "glm4v", "qwen3_vl", "qwen3_5", "glm_ocr"}
+REPLAYS_EVERY_CALL = {"kimi_k25", "qwen2_vl", "qwen2_5_vl", "glm4v", "qwen3_vl", "qwen3_5", "glm_ocr", "ernie4_5_vl",
+                      "video_llama_3"}
 # Device-program calls (replays or plain runs) per tower call once traced: the pieces around graph
 # breaks, not one per layer. Kimi-K2.5 breaks at `int(t > 1)`; Qwen2-VL and GLM-4V break once, at the
 # per-frame `repeat_interleave` (NOTE [settings ladder] in kimi_cg/dynamo_settings.py), and the rest
@@ -187,6 +205,7 @@ PROGRAMS_PER_PIECE = {("qwen2_5_vl", "permute_input_for_window_attn"): 3}
 
 
 @pytest.mark.parametrize("tower_name", ["kimi_k25", "qwen2_vl", "qwen2_5_vl", "glm4v", "qwen3_vl", "qwen3_5", "glm_ocr",
+                                        "hunyuan_vl", "ernie4_5_vl", "video_llama_3",
                                         "upstream_moonvit"])
 def test_bucketed_path_matches_eager(tower_name, tmp_path):
     from kimi_cg.debug.dump import read_index

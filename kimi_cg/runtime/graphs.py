@@ -42,7 +42,7 @@ from kimi_cg.capture import example_value
 from kimi_cg.counters import counters, timings
 from kimi_cg.device_program import DeviceProgram
 from kimi_cg.fallback import record_fallback
-from kimi_cg.varlen_registry import argument, registered_segments
+from kimi_cg.varlen_registry import argument, registered_bounds, registered_segments
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def input_rules(program: DeviceProgram, kinds: list[str]) -> list[InputRule]:
             # reads (padding rows read entry 0 of the indexed tensor, into padding rows), else the
             # call runs the plain program (never replayed with another call's values).
             if _is_segment_boundary(node):
-                rules.append(InputRule("cu_seqlens"))
+                rules.append(InputRule("cu_seqlens" if _segments_over_rows(node, static_rows, symbolic) else "unpadded"))
             elif _row_aligned(node, static_rows, symbolic) and _only_gathers_with(node):
                 rules.append(InputRule("rows"))
             elif _row_group_index(node, symbolic, static_rows):
@@ -102,7 +102,7 @@ def input_rules(program: DeviceProgram, kinds: list[str]) -> list[InputRule]:
             elif (_MERGE_GATHER, 2) in uses or (_MERGE_GATHER_LAYERNORM, 2) in uses:
                 rules.append(InputRule("plan_weight"))
             elif _is_segment_boundary(node):
-                rules.append(InputRule("cu_seqlens"))
+                rules.append(InputRule("cu_seqlens" if _segments_over_rows(node, static_rows, symbolic) else "unpadded"))
             elif _row_group_index(node, symbolic, static_rows):
                 rules.append(InputRule("row_index"))
             elif _has_symbolic_trailing_dims(node):
@@ -155,6 +155,24 @@ def _is_segment_boundary(node: torch.fx.Node) -> bool:
             if argument(user, position, name) is node:
                 return True
     return False
+
+
+def _segments_over_rows(node: torch.fx.Node, static_rows, row_sizes) -> bool:
+    """Whether the attentions that take ``node`` as segment boundaries run over the packed rows: each
+    of their bounded tensors (q, k: registered_bounds) has the activations' leading size. Padding adds
+    the trailing segment [L, C) of the bucket's rows, which is only those attentions' trailing segment
+    when their rows are the activations' rows; a tower whose layers keep a [1, L, D] batch dim (its
+    rows are dim 1) or that attends over merged rows would get boundaries that do not cover its
+    tensors (found on HunYuan-VL: [0, 24, 1, 1, ...] for 24 rows)."""
+    for user in node.users:
+        if user.op != "call_function" or not any(argument(user, position, name) is node
+                                                 for position, name in registered_segments(user.target)):
+            continue
+        for _, _, position, name in registered_bounds(user.target) or ():
+            tensor = argument(user, position, name)
+            if not (isinstance(tensor, torch.fx.Node) and _row_aligned(tensor, static_rows, row_sizes)):
+                return False
+    return True
 
 
 def _leading_size(node: torch.fx.Node):
@@ -343,6 +361,8 @@ class BucketedGraphs:
                 return None
             if rule.kind == "cu_seqlens" and value.shape[0] > self.max_segments:
                 return None
+            if rule.kind == "cu_seqlens" and value.device.type == "cpu" and value.numel() and int(value[-1]) != rows:
+                return None  # boundaries that do not end at the rows: the trailing segment [L, C) would not be the padding's
             if rule.kind in ("plan_index", "plan_weight"):
                 if value.shape[1] > self.max_frames:
                     return None

@@ -48,7 +48,7 @@ _POINTWISE_NAMES = ("add sub mul div true_divide floor_divide neg exp log log1p 
                     "pow clamp clamp_min clamp_max where abs erf reciprocal square maximum minimum masked_fill lerp "
                     "sign relu gelu silu mish softplus hardtanh hardswish hardsigmoid leaky_relu elu selu celu "
                     "logical_not logical_and logical_or bitwise_and bitwise_or eq ne lt le gt ge isnan isfinite "
-                    "nan_to_num float half bfloat16 double to type_as contiguous clone detach fill zeros_like "
+                    "nan_to_num float half bfloat16 double to type type_as contiguous clone detach fill zeros_like "
                     "ones_like full_like empty_like")
 _POINTWISE_FUNCTIONS = _objects((torch, _POINTWISE_NAMES), (torch._C._nn, "gelu silu relu hardtanh leaky_relu elu softplus"),
                                 (F, "gelu silu relu sigmoid tanh mish softplus hardtanh hardswish hardsigmoid leaky_relu "

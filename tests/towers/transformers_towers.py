@@ -79,14 +79,14 @@ def _grid_tensor(grid: Sequence[Sequence[int]]) -> torch.Tensor:
     return grid_thw
 
 
-def _qwen_style_inputs(in_channels: int, seed: int):
+def _qwen_style_inputs(in_channels: int, seed: int, temporal_patch: int = TEMPORAL_PATCH):
     """(hidden_states [L, C*Tp*p*p], grid_thw [N, 3]) for the Qwen / GLM flattened-patch convention."""
 
     def make_inputs(grid: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         grid_thw = _grid_tensor(grid)
         rows = int(grid_thw.prod(dim=-1).sum())
         generator = torch.Generator().manual_seed(seed + rows)
-        pixels = torch.randn(rows, in_channels * TEMPORAL_PATCH * PATCH * PATCH, generator=generator)
+        pixels = torch.randn(rows, in_channels * temporal_patch * PATCH * PATCH, generator=generator)
         return pixels, grid_thw
 
     return make_inputs
@@ -207,6 +207,45 @@ def build_glm_ocr(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
     return Tower(f"glm_ocr[{attn_implementation}]", model, _qwen_style_inputs(3, seed), tensors_of)
 
 
+def build_hunyuan_vl(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
+    """transformers' HunYuan-VL vision tower: one patch per row (no temporal patch), images; its layers
+    keep a [1, L, D] batch dim, so its packed rows are dim 1, not dim 0."""
+    config_class, model_class = _load("hunyuan_vl", "HunYuanVLVisionConfig", "HunYuanVLVisionTransformer")
+    config = config_class(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
+                          num_attention_heads=HEADS, num_channels=3, out_hidden_size=OUT_HIDDEN, patch_size=PATCH,
+                          spatial_merge_size=MERGE, max_image_size=8 * PATCH, text_hidden_size=OUT_HIDDEN)
+    model = _build(model_class, config, attn_implementation, seed)
+    return Tower(f"hunyuan_vl[{attn_implementation}]", model, _qwen_style_inputs(3, seed, temporal_patch=1), tensors_of)
+
+
+def build_ernie4_5_vl(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
+    """transformers' Ernie-4.5-VL vision tower: one frame-patch per row, attention per frame ([t, h, w]
+    with t frames); the temporal merge is outside the tower."""
+    config_class, model_class = _load("ernie4_5_vl_moe", "Ernie4_5_VLMoeVisionConfig",
+                                      "Ernie4_5_VLMoeVisionTransformerPretrainedModel")
+    config = config_class(depth=LAYERS, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_heads=HEADS,
+                          in_channels=3, patch_size=PATCH, spatial_merge_size=MERGE)
+    model = _build(model_class, config, attn_implementation, seed)
+    return Tower(f"ernie4_5_vl[{attn_implementation}]", model, _qwen_style_inputs(3, seed, temporal_patch=1), tensors_of)
+
+
+def build_video_llama_3(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
+    """transformers' VideoLLaMA3 vision tower: a third input, one merge size per item (1 for images,
+    2 for video frames, as its processor sets them); here they alternate."""
+    config_class, model_class = _load("video_llama_3", "VideoLlama3VisionConfig", "VideoLlama3VisionModel")
+    config = config_class(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
+                          num_attention_heads=HEADS, num_channels=3, patch_size=PATCH)
+    model = _build(model_class, config, attn_implementation, seed)
+    pixels_and_grid = _qwen_style_inputs(3, seed, temporal_patch=1)
+
+    def make_inputs(grid: Sequence[Sequence[int]]):
+        pixels, grid_thw = pixels_and_grid(grid)
+        merge_sizes = torch.tensor([1 + index % 2 for index in range(len(grid))], dtype=torch.int64)
+        return pixels, grid_thw, merge_sizes
+
+    return Tower(f"video_llama_3[{attn_implementation}]", model, make_inputs, tensors_of)
+
+
 FACTORIES = {
     "kimi_k25": build_kimi_k25,
     "qwen2_vl": build_qwen2_vl,
@@ -215,4 +254,7 @@ FACTORIES = {
     "qwen3_vl": build_qwen3_vl,
     "qwen3_5": build_qwen3_5,
     "glm_ocr": build_glm_ocr,
+    "hunyuan_vl": build_hunyuan_vl,
+    "ernie4_5_vl": build_ernie4_5_vl,
+    "video_llama_3": build_video_llama_3,
 }
