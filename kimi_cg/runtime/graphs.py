@@ -170,9 +170,31 @@ def _segments_over_rows(node: torch.fx.Node, static_rows, row_sizes) -> bool:
             continue
         for _, _, position, name in registered_bounds(user.target) or ():
             tensor = argument(user, position, name)
-            if not (isinstance(tensor, torch.fx.Node) and _row_aligned(tensor, static_rows, row_sizes)):
+            value = _traced_or_derived_value(tensor) if isinstance(tensor, torch.fx.Node) else None
+            rows = value.shape[0] if isinstance(value, torch.Tensor) and value.dim() >= 1 else None
+            if rows is None or not (rows == static_rows if isinstance(rows, int)
+                                    else _expr(rows) in {_expr(size) for size in row_sizes}):
                 return False
     return True
+
+
+# Layout methods kimi_cg's canonicalising passes put around an attention they rewrite (those nodes carry
+# no traced value): their value is the method applied to the input's fake tensor.
+_LAYOUT_METHODS = ("transpose", "squeeze", "unsqueeze", "contiguous", "permute", "view", "reshape")
+
+
+def _traced_or_derived_value(node: torch.fx.Node, depth: int = 0):
+    value = example_value(node)
+    if value is not None or depth > 8:
+        return value
+    if node.op == "call_method" and node.target in _LAYOUT_METHODS and node.args:
+        base = _traced_or_derived_value(node.args[0], depth + 1) if isinstance(node.args[0], torch.fx.Node) else None
+        if isinstance(base, torch.Tensor):
+            try:
+                return getattr(base, node.target)(*node.args[1:], **node.kwargs)
+            except Exception:  # noqa: BLE001 - not derivable: the caller treats it as unknown (unpadded)
+                return None
+    return None
 
 
 def _leading_size(node: torch.fx.Node):
