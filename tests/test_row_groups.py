@@ -109,3 +109,38 @@ def test_row_data_indexed_after_a_slice_is_checked_without_error():
         args = _inputs(grid, seed)
         torch.testing.assert_close(compiled(*args), model(*args))
     assert kimi_cg.counters["call_fallbacks"] == 0 and kimi_cg.counters["padded_runs"] >= 2, dict(kimi_cg.counters)
+
+
+class AttentionOverMergedRows(torch.nn.Module):
+    """Varlen attention after a 2 x 2 merge: its tensors hold a quarter of the packed rows, and its
+    segment boundaries count merged rows. The bucket's trailing segment [L, C) counts packed rows, so
+    padding these boundaries would describe rows the attention does not have; such a program must run
+    unpadded (it ran padded before the row-count check, and the CPU reference op rejected the
+    boundaries)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(6, 8)
+
+    def forward(self, x, grid):
+        hidden = self.proj(x)
+        merged = hidden.reshape(hidden.shape[0] // 4, 4 * 8)
+        lengths = [h * w // 4 for h, w in grid.tolist()]
+        cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        q = merged.view(-1, 4, 8)
+        out = torch.ops.kimi_cg.varlen_attention(q, q * 0.5, q + 1.0, cu_seqlens, max(lengths), 0.25)
+        return out.reshape(-1, 32)
+
+
+def test_attention_over_merged_rows_is_not_padded_with_the_packed_rows_segment():
+    model = AttentionOverMergedRows()
+    compiled = torch.compile(model, backend="kimi_cg", options=BUCKETS)
+    for seed, grid in enumerate(GRIDS):
+        args = _inputs(grid, seed)
+        with torch.no_grad():
+            want, got = model(*args), compiled(*args)
+        assert got.shape == want.shape and not torch.isnan(got).any(), grid
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    counters = dict(kimi_cg.counters)
+    # Before the check, the padded attention program failed on every call (call_fallbacks).
+    assert counters.get("lift_fallbacks", 0) == counters.get("call_fallbacks", 0) == 0, counters

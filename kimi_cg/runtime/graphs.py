@@ -172,9 +172,12 @@ def _segments_over_rows(node: torch.fx.Node, static_rows, row_sizes) -> bool:
             tensor = argument(user, position, name)
             value = _traced_or_derived_value(tensor) if isinstance(tensor, torch.fx.Node) else None
             rows = value.shape[0] if isinstance(value, torch.Tensor) and value.dim() >= 1 else None
-            if rows is None or not (rows == static_rows if isinstance(rows, int)
-                                    else _expr(rows) in {_expr(size) for size in row_sizes}):
+            if rows is None:
                 return False
+            if (static_rows is not None or isinstance(rows, int)) and not (isinstance(rows, int) and rows == static_rows):
+                return False  # dynamo's static first trace (or a leading 1): the numbers must agree
+            # Symbolic rows on both sides (a window permutation's rows read s48 * (s47 // (s47 // 4))):
+            # row_locality's two meta runs check that they are the packed rows (NOTE [row locality]).
     return True
 
 

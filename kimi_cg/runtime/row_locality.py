@@ -138,6 +138,9 @@ def padding_hazard(gm: torch.fx.GraphModule, rules, inputs) -> str | None:
     except Exception as error:  # noqa: BLE001 - an op without a meta kernel: not provably row-local
         return f"the program does not run on meta tensors ({type(error).__name__}: {str(error)[:200]})"
     shapes = _Shapes(small, large)
+    # The packed rows in both runs (the row inputs' leading size), or None when they disagree.
+    row_counts = {shapes.leading(node, 1) for node in row_inputs if shapes.is_tensor(node) and shapes.rank(node)}
+    rows = row_counts.pop() if len(row_counts) == 1 else None
     segment_inputs = {node for node, rule in zip(placeholders, rules) if rule.kind == "cu_seqlens"}
     group_indices = {node for node, rule in zip(placeholders, rules) if rule.kind == "row_index"}
     tainted = set(row_inputs)
@@ -147,7 +150,7 @@ def padding_hazard(gm: torch.fx.GraphModule, rules, inputs) -> str | None:
         inputs_ = [arg for arg in node.all_input_nodes if arg in tainted]
         if not inputs_:
             continue
-        problem = _check(node, inputs_, shapes, segment_inputs, group_indices)
+        problem = _check(node, inputs_, shapes, segment_inputs, group_indices, rows)
         if problem is not None:
             return f"{problem}: {_name(node)} at {source_location(node)}"
         tainted.add(node)
@@ -182,7 +185,7 @@ class _Shapes:
         return math.prod(a[:axis]), math.prod(b[:axis])
 
 
-def _check(node, inputs, shapes: _Shapes, segment_inputs, group_indices=frozenset()) -> str | None:
+def _check(node, inputs, shapes: _Shapes, segment_inputs, group_indices=frozenset(), rows=None) -> str | None:
     name = _name(node)
     if node.op == "call_function" and node.target is operator.getitem and not shapes.is_tensor(node.args[0]):
         return None  # an element of a split / unbind tuple: checked at the op that made it
@@ -194,6 +197,9 @@ def _check(node, inputs, shapes: _Shapes, segment_inputs, group_indices=frozense
         bounds = [argument(node, position, arg_name) for position, arg_name in segments]
         ok = all(axes == [0] for axes in axes_in.values()) and all(
             isinstance(b, torch.fx.Node) and _comes_from(b, segment_inputs) for b in bounds)
+        # The padded boundaries end at the bucket's rows: the attention's tensors must hold exactly the
+        # packed rows, in both meta runs (not, say, merged rows: a quarter of them).
+        ok = ok and rows is not None and all(shapes.leading(arg, 1) == rows for arg in inputs)
         return None if ok else "varlen attention not on rows padded with their own segment"
     if name in _KIMI_CG_GATHERS:
         # Output rows are plan rows: padding plan rows read nothing (index -1); real ones read real rows.
