@@ -42,9 +42,8 @@ def _inputs(grid, seed):
     return torch.randn(rows, 6, generator=torch.Generator().manual_seed(seed)), torch.tensor(grid)
 
 
-@pytest.mark.parametrize("negative", [False, True])
-def test_a_permutation_of_row_groups_replays_padded_and_matches_eager(negative):
-    model = GroupPermutation(negative)
+def _matches_eager_on_every_grid(model) -> dict:
+    """Compiles ``model`` with buckets, checks every grid's output against eager; kimi_cg's counters."""
     compiled = torch.compile(model, backend="kimi_cg", options=BUCKETS)
     for seed, grid in enumerate(GRIDS):
         args = _inputs(grid, seed)
@@ -52,7 +51,13 @@ def test_a_permutation_of_row_groups_replays_padded_and_matches_eager(negative):
             want, got = model(*args), compiled(*args)
         assert got.shape == want.shape and not torch.isnan(got).any(), grid
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    counters = dict(kimi_cg.counters)
+    return dict(kimi_cg.counters)
+
+
+@pytest.mark.parametrize("negative", [False, True])
+def test_a_permutation_of_row_groups_replays_padded_and_matches_eager(negative):
+    model = GroupPermutation(negative)
+    counters = _matches_eager_on_every_grid(model)
     assert counters.get("lift_fallbacks", 0) == counters.get("call_fallbacks", 0) == 0, counters
     # Every call ran in a bucket (on CPU: padded, uncaptured), none as the plain program.
     assert counters.get("eager_fallbacks", 0) == 0 and counters.get("padding_hazards", 0) == 0, counters
@@ -134,13 +139,6 @@ class AttentionOverMergedRows(torch.nn.Module):
 
 def test_attention_over_merged_rows_is_not_padded_with_the_packed_rows_segment():
     model = AttentionOverMergedRows()
-    compiled = torch.compile(model, backend="kimi_cg", options=BUCKETS)
-    for seed, grid in enumerate(GRIDS):
-        args = _inputs(grid, seed)
-        with torch.no_grad():
-            want, got = model(*args), compiled(*args)
-        assert got.shape == want.shape and not torch.isnan(got).any(), grid
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    counters = dict(kimi_cg.counters)
+    counters = _matches_eager_on_every_grid(model)
     # Before the check, the padded attention program failed on every call (call_fallbacks).
     assert counters.get("lift_fallbacks", 0) == counters.get("call_fallbacks", 0) == 0, counters
