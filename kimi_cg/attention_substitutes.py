@@ -19,6 +19,29 @@ while it inlines a call.
 
 This registers one dynamo polyfill (``torch._dynamo.substitute_in_graph``) for that one function,
 process-wide, the first time dynamo traces a kimi_cg frame after transformers is imported.
+
+NOTE [flash path]
+The split loop costs dynamo a trace per number of segments: the pieces' lengths are a Python list, so
+every layer is unrolled over them, with fake-tensor and sympy work per piece and layer (a tiny 32-layer
+Qwen2-VL tower: 7 s for one image, minutes for two). The same towers have a second branch, taken when
+``transformers.utils.generic.is_flash_attention_requested(config)`` is true: one attention call over
+all packed rows with ``cu_seq_lens_q`` / ``max_length_q`` (the flash-attn varlen convention), which
+transformers defines to compute the same attention as the split loop. So in a kimi_cg frame:
+
+- ``is_flash_attention_requested(config)`` is traced as true when the config asks for ``"sdpa"``, is
+  a vision config (it has ``patch_size``) and transformers' ``"sdpa"`` attention function is the one
+  substituted here (so the branch's attention call reaches the code below);
+- the SDPA function then receives the packed q, k, v and traces ``torch.ops.kimi_cg.varlen_attention``
+  over ``cu_seq_lens_q`` (kimi_cg's varlen vocabulary: segment padding, bounds, kernels), when the
+  call is one it computes exactly: batch 1, no mask, no dropout, not causal, no GQA, the same
+  boundaries for keys as for queries, no other option. Any other call in such a trace (a flash branch
+  that expects flash-attn to derive the segments from ``position_ids``, a mask, keys of other length)
+  is refused: the trace fails, that call runs eagerly, and the frame's code is traced without the
+  flash branch from the next call on (``flash_path_refusals``; NOTE [dynamo settings], step 3).
+
+Counted: ``flash_path_traces`` (traces that took the branch). The eager path, other backends, configs
+asking for ``"eager"`` (its attention function is the model's own and ignores ``cu_seq_lens_q``), and
+text configs are never affected.
 """
 
 from __future__ import annotations
@@ -42,11 +65,64 @@ _IGNORED_KWARGS = {"output_attentions", "output_hidden_states", "return_dict", "
 _NONE_KWARGS = {"softcap", "position_bias", "sliding_window", "s_aux"}
 
 
+_GENERIC_MODULE = "transformers.utils.generic"
+_INTERFACES_MODULE = "transformers.modeling_utils"
+
+
+class FlashPathRefused(RuntimeError):
+    """A call kimi_cg cannot compute exactly on transformers' flash branch (NOTE [flash path])."""
+
+
 @torch._dynamo.assume_constant_result
 def _tracing_for_kimi_cg() -> bool:
     from kimi_cg import dynamo_settings
 
     return dynamo_settings.active()
+
+
+@torch._dynamo.assume_constant_result
+def _flash_path_allowed() -> bool:
+    """Whether this trace may take transformers' flash branch (its frame was never refused)."""
+    from kimi_cg import dynamo_settings
+
+    return dynamo_settings.flash_path_allowed()
+
+
+@torch._dynamo.assume_constant_result
+def _sdpa_interface_is_substituted() -> bool:
+    """Whether transformers' attention registry maps "sdpa" to the function substituted here."""
+    interfaces = getattr(sys.modules.get(_INTERFACES_MODULE), "ALL_ATTENTION_FUNCTIONS", None)
+    try:
+        return interfaces is not None and interfaces["sdpa"] is _installed.get(_SDPA_MODULE)
+    except (KeyError, TypeError):
+        return False
+
+
+@torch._dynamo.assume_constant_result
+def _note_flash_path() -> bool:
+    from kimi_cg import dynamo_settings
+
+    dynamo_settings.note_flash_path()
+    return True
+
+
+@torch._dynamo.assume_constant_result
+def _flash_path_taken() -> bool:
+    """Whether this trace has taken transformers' flash branch (NOTE [flash path])."""
+    from kimi_cg import dynamo_settings
+
+    return dynamo_settings.flash_path_taken()
+
+
+@torch._dynamo.assume_constant_result
+def _refuse_flash_path(reason: str) -> bool:
+    raise FlashPathRefused(f"kimi_cg cannot trace this call on transformers' flash branch: {reason}")
+
+
+def _takes_flash_path(config) -> bool:
+    """NOTE [flash path]: traced by dynamo (every test reads constants)."""
+    return (config is not None and getattr(config, "_attn_implementation", None) == "sdpa"
+            and hasattr(config, "patch_size") and _sdpa_interface_is_substituted())
 
 
 def _plain(module, query, key, value, attention_mask, dropout, is_causal, kwargs) -> bool:
@@ -71,11 +147,41 @@ def _matmul_softmax_attention(query, key, value, scaling):
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), None
 
 
+def _packed_attention(module, query, key, value, attention_mask, dropout, is_causal, scaling, kwargs):
+    """NOTE [flash path]: the flash branch's packed call as kimi_cg's varlen op, or a refusal.
+    query, key, value: [1, H, L, D]; returns ([1, L, H, D], None) as transformers' attention functions."""
+    cu_seqlens = kwargs.get("cu_seq_lens_q")
+    if cu_seqlens is None:
+        return _refuse_flash_path("no cu_seq_lens_q (segments from position_ids or a mask)")
+    if kwargs.get("cu_seq_lens_k") is not cu_seqlens:
+        return _refuse_flash_path("cu_seq_lens_k is not cu_seq_lens_q")
+    if attention_mask is not None:
+        return _refuse_flash_path("an attention mask")
+    if not isinstance(dropout, (int, float)) or dropout != 0:
+        return _refuse_flash_path("dropout")
+    if (is_causal if is_causal is not None else getattr(module, "is_causal", True)) is not False:
+        return _refuse_flash_path("causal attention")
+    if getattr(module, "num_key_value_groups", 1) != 1:
+        return _refuse_flash_path("grouped key/value heads")
+    for name, argument in kwargs.items():
+        if name not in _IGNORED_KWARGS and not (name in _NONE_KWARGS and argument is None):
+            return _refuse_flash_path(f"the option {name}")
+    if not (query.dim() == 4 and query.shape[0] == 1 and key.shape == query.shape and value.shape == query.shape):
+        return _refuse_flash_path("q, k, v not of one [1, H, L, D] shape")
+    q, k, v = (tensor[0].transpose(0, 1) for tensor in (query, key, value))
+    max_seqlen = kwargs.get("max_length_q")
+    if max_seqlen is None:
+        max_seqlen = q.shape[0]  # any upper bound gives the same result (NOTE [max_seqlen])
+    return torch.ops.kimi_cg.varlen_attention(q, k, v, cu_seqlens, max_seqlen, scaling).unsqueeze(0), None
+
+
 def install() -> None:
     """Register the substitute for transformers' SDPA attention when transformers is loaded; idempotent."""
     module = sys.modules.get(_SDPA_MODULE)
     original = getattr(module, "sdpa_attention_forward", None)
     if original is None or _SDPA_MODULE in _installed:  # once (a reloaded module keeps what it had)
+        if original is not None:
+            _install_flash_request(sys.modules.get(_GENERIC_MODULE))
         return
     copy = types.FunctionType(original.__code__, original.__globals__, original.__name__, original.__defaults__,
                               original.__closure__)
@@ -84,8 +190,11 @@ def install() -> None:
     @functools.wraps(original)
     def sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
                                **kwargs):
-        if _tracing_for_kimi_cg() and _plain(module, query, key, value, attention_mask, dropout, is_causal, kwargs):
-            return _matmul_softmax_attention(query, key, value, scaling)
+        if _tracing_for_kimi_cg():
+            if _flash_path_taken() and _takes_flash_path(getattr(module, "config", None)):
+                return _packed_attention(module, query, key, value, attention_mask, dropout, is_causal, scaling, kwargs)
+            if _plain(module, query, key, value, attention_mask, dropout, is_causal, kwargs):
+                return _matmul_softmax_attention(query, key, value, scaling)
         return copy(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
                     **kwargs)
 
@@ -94,3 +203,28 @@ def install() -> None:
     except (TypeError, ValueError) as error:  # another library registered one first, or a torch without it
         logger.info("kimi_cg: transformers' SDPA attention is traced as written (%s)", error)
     _installed[_SDPA_MODULE] = original
+    _install_flash_request(sys.modules.get(_GENERIC_MODULE))
+
+
+def _install_flash_request(generic) -> None:
+    """NOTE [flash path]: ``is_flash_attention_requested`` is true in kimi_cg frames for vision configs
+    on "sdpa"; elsewhere it is traced as written."""
+    original = getattr(generic, "is_flash_attention_requested", None)
+    if original is None or _GENERIC_MODULE in _installed:
+        return
+    copy = types.FunctionType(original.__code__, original.__globals__, original.__name__, original.__defaults__,
+                              original.__closure__)
+    copy.__kwdefaults__ = original.__kwdefaults__
+
+    @functools.wraps(original)
+    def is_flash_attention_requested(config=None, requested_attention_implementation=None, version=None):
+        if (_tracing_for_kimi_cg() and requested_attention_implementation is None and version is None
+                and _flash_path_allowed() and _takes_flash_path(config)):
+            return _note_flash_path()
+        return copy(config, requested_attention_implementation, version)
+
+    try:
+        torch._dynamo.substitute_in_graph(original, skip_signature_check=True)(is_flash_attention_requested)
+    except (TypeError, ValueError) as error:
+        logger.info("kimi_cg: transformers' is_flash_attention_requested is traced as written (%s)", error)
+    _installed[_GENERIC_MODULE] = original

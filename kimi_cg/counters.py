@@ -28,6 +28,9 @@ Keys (missing keys read as 0):
                               traced with those ops as graph breaks since (NOTE [settings ladder])
   dynamo_setting_fallbacks    frames dynamo failed to trace with kimi_cg's settings (traced with its own since)
   dynamo_trace_failures       calls whose frame dynamo failed to trace for another reason (run eagerly)
+  flash_path_traces           traces of transformers' towers on their packed flash branch (NOTE [flash path])
+  flash_path_refusals         frames whose flash branch made a call kimi_cg cannot compute exactly: that call
+                              ran eagerly, later calls trace the sdpa branch
   invalid_inputs              calls rejected with InvalidInputError (the captured graph rejected them too)
 
 ``timings`` (seconds, host wall clock, accumulated) says where compile-time cost goes:

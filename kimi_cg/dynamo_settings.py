@@ -94,6 +94,7 @@ _traced_with_scalars: "weakref.WeakSet" = weakref.WeakSet()  # code objects on S
 _traced_with_settings: "weakref.WeakSet" = weakref.WeakSet()  # code objects traced with them at least once
 _failures_with_settings: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # code -> data-dependent failures
 _codes_to_trace_again: "weakref.WeakSet" = weakref.WeakSet()  # failed codes dynamo marked SKIP
+_codes_without_flash_path: "weakref.WeakSet" = weakref.WeakSet()  # NOTE [flash path] refused for these
 _state = threading.local()
 
 
@@ -117,6 +118,21 @@ def installed() -> bool:
 def active() -> bool:
     """Whether the current thread is tracing a kimi_cg frame with DYNAMO_SETTINGS in force."""
     return getattr(_state, "patch", None) is not None
+
+
+def flash_path_allowed() -> bool:
+    """Whether the frame being traced may take transformers' flash branch (NOTE [flash path])."""
+    return active() and _state.code not in _codes_without_flash_path
+
+
+def note_flash_path() -> None:
+    if active() and not _state.flash_path_taken:
+        _state.flash_path_taken = True
+        counters["flash_path_traces"] += 1
+
+
+def flash_path_taken() -> bool:
+    return active() and _state.flash_path_taken
 
 
 def _compile_frame_locals():
@@ -158,6 +174,7 @@ def _on_compile_start(_args) -> None:
     patch = torch._dynamo.config.patch(**(SCALAR_SETTINGS if code is not None and code in _traced_with_scalars else DYNAMO_SETTINGS))
     patch.__enter__()
     _state.patch, _state.code, _state.error_at_start = patch, code, sys.exc_info()[1]
+    _state.flash_path_taken = False
     from kimi_cg import attention_substitutes
 
     attention_substitutes.install()  # NOTE [attention substitutes]
@@ -176,6 +193,16 @@ def _on_compile_end(_args) -> None:
             _traced_with_settings.add(code)
         return
     where = f"{code.co_filename}:{code.co_firstlineno} ({code.co_name})" if code is not None else "a frame"
+    refusal = _flash_path_refusal(error)
+    if refusal is not None:  # NOTE [flash path]: this call runs eagerly, the next traces the sdpa branch
+        if code is not None:
+            _codes_without_flash_path.add(code)
+        counters["flash_path_refusals"] += 1
+        record_fallback("kimi_cg refused transformers' flash branch", where, str(refusal),
+                        "this call runs the frame eagerly; from the next call it is traced on its sdpa branch")
+        _suppress_errors_once()
+        _trace_again_next_call(error, code)
+        return
     if _is_graph_break(error):
         if "No ops traced" not in str(error):  # dynamo skips frames without tensor work: nothing lost
             from kimi_cg.debug import report_skipped_frame
@@ -276,6 +303,19 @@ def _reset_skipped_codes() -> None:
     _codes_to_trace_again.clear()
 
 
+def _flash_path_refusal(error: BaseException):
+    """The FlashPathRefused in the error's chain (dynamo wraps it), or None."""
+    from kimi_cg.attention_substitutes import FlashPathRefused
+
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, FlashPathRefused):
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def _caused_by_unbacked_values(error: BaseException) -> bool:
     """Whether dynamo failed on a data-dependent size or value, i.e. because of DYNAMO_SETTINGS."""
     seen = set()
@@ -324,6 +364,7 @@ def clear() -> None:
     _traced_with_scalars.clear()
     _traced_with_settings.clear()
     _failures_with_settings.clear()
+    _codes_without_flash_path.clear()
     _restore_suppress_errors()
 
 

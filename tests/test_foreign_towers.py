@@ -188,9 +188,8 @@ BUCKET_OPTIONS = {"cuda_graphs": True, "token_budgets": [32, 64, 128, 256]}
 REPLAYS_EVERY_CALL = {"kimi_k25", "qwen2_vl", "qwen2_5_vl", "glm4v", "qwen3_vl", "qwen3_5", "glm_ocr", "ernie4_5_vl",
                       "video_llama_3"}
 # Device-program calls (replays or plain runs) per tower call once traced: the pieces around graph
-# breaks, not one per layer. Kimi-K2.5 breaks at `int(t > 1)`; Qwen2-VL and GLM-4V break once, at the
-# per-frame `repeat_interleave` (NOTE [settings ladder] in kimi_cg/dynamo_settings.py), and the rest
-# of the tower (patch embedding, every layer, the merger) is one piece.
+# breaks, not one per layer. Kimi-K2.5 breaks at `int(t > 1)`; Qwen2-VL and GLM-4V are one piece, the
+# whole forward on its flash branch (NOTE [flash path] in kimi_cg/attention_substitutes.py).
 # Qwen2.5-VL's first calls run its forward eagerly (NOTE [settings ladder]); dynamo then traces the
 # nested permute_input_for_window_attn on its own, called with tensors of two widths (dynamic trailing
 # size, no static bucket buffer) and a seq_len argument: those calls run the plain device program. Once
@@ -200,8 +199,10 @@ DEVICE_CALLS_PER_CALL = {"kimi_k25": 2, "qwen2_vl": 1, "qwen2_5_vl": 1, "glm4v":
 # Device programs per piece (a frame dynamo traces, read from the debug dump): the static first trace and
 # the dynamic one. Qwen2.5-VL's nested permute_input_for_window_attn, traced on its own while the forward
 # runs eagerly, is called with the hidden states and the rotary table: static, dynamic rows, dynamic
-# width make three (unused once the forward is traced).
-PROGRAMS_PER_PIECE = {("qwen2_5_vl", "permute_input_for_window_attn"): 3}
+# width make three (unused once the forward is traced). So are its blocks (forward_with_checkpointing),
+# on their flash branch (NOTE [flash path]): window and full-attention layers pass cu_seqlens of other
+# lengths (two static traces), then dynamic rows.
+PROGRAMS_PER_PIECE = {("qwen2_5_vl", "permute_input_for_window_attn"): 3, ("qwen2_5_vl", "forward_with_checkpointing"): 3}
 
 
 @pytest.mark.parametrize("tower_name", ["kimi_k25", "qwen2_vl", "qwen2_5_vl", "glm4v", "qwen3_vl", "qwen3_5", "glm_ocr",

@@ -1,0 +1,150 @@
+"""NOTE [flash path] (kimi_cg/attention_substitutes.py): in kimi_cg frames transformers' vision towers on
+"sdpa" are traced on their packed flash branch (one varlen attention per layer) instead of the
+per-segment split loop, which dynamo unrolls per number of segments. Checked here: the real towers take
+it (one graph per item count, no graph break, equal to eager), a flash branch kimi_cg cannot compute
+exactly is refused (that call runs eagerly, later calls trace the sdpa branch), and code that does not
+ask for the flash branch keeps the SDPA function's own semantics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import kimi_cg
+
+pytest.importorskip("transformers")
+
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
+from transformers.utils.generic import is_flash_attention_requested  # noqa: E402
+
+from towers import TowerUnavailable  # noqa: E402
+from towers.transformers_towers import FACTORIES  # noqa: E402
+
+RELATIVE_TOLERANCE = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def fresh_compiler():
+    torch._dynamo.reset()
+    kimi_cg.reset()
+    yield
+    torch._dynamo.reset()
+    kimi_cg.reset()
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    scale = want.double().abs().max().item()
+    return (got.double() - want.double()).abs().max().item() / max(scale, torch.finfo(torch.float32).tiny)
+
+
+def assert_matches(got: list[torch.Tensor], want: list[torch.Tensor], where: str) -> None:
+    assert len(got) == len(want), where
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and not torch.isnan(g).any(), where
+        assert relative_error(g, w) <= RELATIVE_TOLERANCE, f"{where}: {relative_error(g, w):.3e}"
+
+
+@pytest.mark.parametrize("tower_name, attn_implementation", [("qwen2_vl", "sdpa"), ("glm4v", "sdpa"), ("qwen2_vl", "eager")])
+def test_towers_on_sdpa_trace_one_graph_per_item_count(tower_name, attn_implementation):
+    try:
+        tower = FACTORIES[tower_name](attn_implementation, seed=0)
+    except TowerUnavailable as reason:
+        pytest.skip(str(reason))
+    compiled = torch.compile(tower.model, backend="kimi_cg")
+    graphs = []
+    for count in (1, 2, 3):
+        args = tower.make_inputs([[1, 4, 4]] * (count - 1) + [[1, 2, 6]])
+        before = kimi_cg.counters["dynamo_graphs"]
+        with torch.no_grad():
+            want = tower.extract_outputs(tower.model(*args))
+            got = tower.extract_outputs(compiled(*args))
+        assert_matches(got, want, f"{tower.name}, {count} items: {dict(kimi_cg.counters)}")
+        graphs.append(kimi_cg.counters["dynamo_graphs"] - before)
+    counters = kimi_cg.counters.copy()
+    if attn_implementation == "sdpa":
+        # One trace per item count, the whole forward in one graph: no settings ladder, no graph break.
+        assert graphs == [1, 1, 1], (graphs, counters)
+        assert counters["flash_path_traces"] == 3 and counters["graph_breaks"] == 0, counters
+        assert counters["dynamo_trace_failures"] == 0 and counters["flash_path_refusals"] == 0, counters
+    else:  # the model's own eager attention ignores cu_seq_lens_q: never on the flash branch
+        assert counters["flash_path_traces"] == 0, counters
+    assert counters["lift_fallbacks"] == counters["call_fallbacks"] == 0, counters
+
+
+class _Config:
+    def __init__(self, vision: bool):
+        self._attn_implementation = "sdpa"
+        if vision:
+            self.patch_size = 2
+
+
+class SegmentAttention(nn.Module):
+    """One attention layer over packed segments (cu_seqlens from a grid), written three ways:
+    - "flash_by_positions": the flash branch passes no cu_seq_lens_q (flash-attn would derive the
+      segments from position_ids), the sdpa branch splits per segment;
+    - "always_cu_seq_lens": no flash branch; SDPA gets cu_seq_lens_q and, as eager, ignores it (one
+      attention over all rows);
+    - "split": the flash branch passes cu_seq_lens_q, the sdpa branch splits (transformers' towers)."""
+
+    is_causal = False
+
+    def __init__(self, style: str, vision: bool = True, dim: int = 16, heads: int = 2):
+        super().__init__()
+        self.style, self.heads, self.config = style, heads, _Config(vision)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+        cu_seqlens = nn.functional.pad((grid[:, 0] * grid[:, 1]).cumsum(0, dtype=torch.int32), (1, 0))
+        rows = x.shape[0]
+        q, k, v = self.qkv(x).reshape(rows, 3, self.heads, -1).permute(1, 2, 0, 3).unsqueeze(1).unbind(0)
+        attention = ALL_ATTENTION_FUNCTIONS["sdpa"]
+        if self.style == "always_cu_seq_lens":
+            out = attention(self, q, k, v, None, scaling=None, is_causal=False, cu_seq_lens_q=cu_seqlens,
+                            cu_seq_lens_k=cu_seqlens)[0]
+        elif is_flash_attention_requested(self.config):
+            extra = {} if self.style == "flash_by_positions" else {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens}
+            out = attention(self, q, k, v, None, scaling=None, is_causal=False, **extra)[0]
+        else:
+            lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+            splits = [torch.split(t, lengths, dim=2) for t in (q, k, v)]
+            out = torch.cat([attention(self, qs, ks, vs, None, scaling=None, is_causal=False)[0]
+                             for qs, ks, vs in zip(*splits)], dim=1)
+        return self.proj(out.reshape(rows, -1))
+
+
+def _run(module: nn.Module, grids: list[list[list[int]]]) -> None:
+    torch.manual_seed(0)
+    compiled = torch.compile(module, backend="kimi_cg")
+    for grid in grids:
+        grid_tensor = torch.tensor(grid)
+        x = torch.randn(int(grid_tensor.prod(-1).sum()), 16)
+        with torch.no_grad():
+            assert_matches([compiled(x, grid_tensor)], [module(x, grid_tensor)], f"{grid}: {dict(kimi_cg.counters)}")
+
+
+def test_a_flash_branch_without_segments_is_refused_then_traced_on_the_sdpa_branch():
+    module = SegmentAttention("flash_by_positions").eval()
+    _run(module, [[[2, 3], [1, 4]]])
+    assert kimi_cg.counters["flash_path_refusals"] == 1, dict(kimi_cg.counters)
+    graphs = kimi_cg.counters["dynamo_graphs"]  # the forward ran eagerly (dynamo traced its nested frames)
+    _run(module, [[[2, 3], [1, 4]], [[3, 3], [2, 2], [1, 2]]])
+    counters = kimi_cg.counters.copy()
+    assert counters["flash_path_refusals"] == 1 and counters["dynamo_graphs"] > graphs, counters
+    assert counters["flash_path_traces"] == 1, counters  # only the refused trace took the branch
+
+
+def test_cu_seq_lens_given_to_sdpa_outside_the_flash_branch_are_ignored_as_eager_does():
+    _run(SegmentAttention("always_cu_seq_lens").eval(), [[[2, 3], [1, 4]], [[3, 3], [2, 2], [1, 2]]])
+    counters = kimi_cg.counters.copy()
+    assert counters["flash_path_traces"] == 0 and counters["flash_path_refusals"] == 0, counters
+    assert counters["dynamo_graphs"] >= 2, counters
+
+
+@pytest.mark.parametrize("vision", [True, False])
+def test_only_vision_configs_take_the_flash_branch(vision):
+    _run(SegmentAttention("split", vision=vision).eval(), [[[2, 3], [1, 4]], [[3, 3], [2, 2], [1, 2]]])
+    counters = kimi_cg.counters.copy()
+    assert counters["flash_path_traces"] == (2 if vision else 0), counters
+    assert counters["flash_path_refusals"] == 0 and counters["dynamo_graphs"] >= 2, counters
