@@ -34,10 +34,13 @@ transformers defines to compute the same attention as the split loop. So in a ki
 - the SDPA function then receives the packed q, k, v and traces ``torch.ops.kimi_cg.varlen_attention``
   over ``cu_seq_lens_q`` (kimi_cg's varlen vocabulary: segment padding, bounds, kernels), when the
   call is one it computes exactly: batch 1, no mask, no dropout, not causal, no GQA, the same
-  boundaries for keys as for queries, no other option. Any other call in such a trace (a flash branch
-  that expects flash-attn to derive the segments from ``position_ids``, a mask, keys of other length)
-  is refused: the trace fails, that call runs eagerly, and the frame's code is traced without the
-  flash branch from the next call on (``flash_path_refusals``; NOTE [dynamo settings], step 3).
+  boundaries for keys as for queries, no other option. Any other SDPA call in such a trace (a flash
+  branch that expects flash-attn to derive the segments from ``position_ids``, a mask, keys of other
+  length, a module of another config), and a graph of such a trace that computes a softmax or SDPA
+  besides (an attention function other than transformers' SDPA may have ignored ``cu_seq_lens_q``;
+  checked by the backend, ``check_flash_path_graph``), is refused: the trace fails, that call runs
+  eagerly, and the frame's code is traced without the flash branch from the next call on
+  (``flash_path_refusals``; NOTE [dynamo settings], step 3).
 
 Counted: ``flash_path_traces`` (traces that took the branch). The eager path, other backends, configs
 asking for ``"eager"`` (its attention function is the model's own and ignores ``cu_seq_lens_q``), and
@@ -150,6 +153,8 @@ def _matmul_softmax_attention(query, key, value, scaling):
 def _packed_attention(module, query, key, value, attention_mask, dropout, is_causal, scaling, kwargs):
     """NOTE [flash path]: the flash branch's packed call as kimi_cg's varlen op, or a refusal.
     query, key, value: [1, H, L, D]; returns ([1, L, H, D], None) as transformers' attention functions."""
+    if not _takes_flash_path(getattr(module, "config", None)):
+        return _refuse_flash_path("an attention whose config does not ask for sdpa on a vision config")
     cu_seqlens = kwargs.get("cu_seq_lens_q")
     if cu_seqlens is None:
         return _refuse_flash_path("no cu_seq_lens_q (segments from position_ids or a mask)")
@@ -175,6 +180,24 @@ def _packed_attention(module, query, key, value, attention_mask, dropout, is_cau
     return torch.ops.kimi_cg.varlen_attention(q, k, v, cu_seqlens, max_seqlen, scaling).unsqueeze(0), None
 
 
+# Attention written out in a graph: on the flash branch every attention should be kimi_cg's varlen op.
+_UNPACKED_ATTENTION = ("softmax", "scaled_dot_product")
+
+
+def check_flash_path_graph(gm: torch.fx.GraphModule) -> None:
+    """NOTE [flash path]: a graph traced on the flash branch must hold no attention other than kimi_cg's
+    varlen op. A softmax or an SDPA call there may be an attention that ignores ``cu_seq_lens_q`` (a
+    function other than transformers' SDPA took the branch's call, or a check of another config flipped
+    the branch): refused, so the frame is traced on its sdpa branch."""
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+        if any(word in str(name) for word in _UNPACKED_ATTENTION):
+            raise FlashPathRefused(f"kimi_cg cannot trace this frame on transformers' flash branch: its graph "
+                                   f"computes {name} besides the packed attention ({node.format_node()[:200]})")
+
+
 def install() -> None:
     """Register the substitute for transformers' SDPA attention when transformers is loaded; idempotent."""
     module = sys.modules.get(_SDPA_MODULE)
@@ -191,7 +214,7 @@ def install() -> None:
     def sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
                                **kwargs):
         if _tracing_for_kimi_cg():
-            if _flash_path_taken() and _takes_flash_path(getattr(module, "config", None)):
+            if _flash_path_taken():  # every SDPA call of a trace on the flash branch is a packed one, or refused
                 return _packed_attention(module, query, key, value, attention_mask, dropout, is_causal, scaling, kwargs)
             if _plain(module, query, key, value, attention_mask, dropout, is_causal, kwargs):
                 return _matmul_softmax_attention(query, key, value, scaling)

@@ -57,6 +57,10 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, config: KimiCGConfi
         logger.warning("kimi_cg: this graph was traced without kimi_cg's dynamo settings (torch._dynamo.reset() "
                        "drops compile callbacks; call kimi_cg.reset() after it); installed again for later compiles")
         dynamo_settings.install()
+    if dynamo_settings.flash_path_taken():
+        from kimi_cg.attention_substitutes import check_flash_path_graph
+
+        check_flash_path_graph(gm)  # raises FlashPathRefused: NOTE [flash path]
     counters["dynamo_graphs"] += 1
     graph_id = counters["dynamo_graphs"]
     report_graph_break(gm)

@@ -85,7 +85,9 @@ class SegmentAttention(nn.Module):
       segments from position_ids), the sdpa branch splits per segment;
     - "always_cu_seq_lens": no flash branch; SDPA gets cu_seq_lens_q and, as eager, ignores it (one
       attention over all rows);
-    - "split": the flash branch passes cu_seq_lens_q, the sdpa branch splits (transformers' towers)."""
+    - "split": the flash branch passes cu_seq_lens_q, the sdpa branch splits (transformers' towers);
+    - "flash_by_other_function": the flash branch calls an attention other than transformers' SDPA
+      function, which ignores the segments (as a model's own eager attention would)."""
 
     is_causal = False
 
@@ -103,7 +105,9 @@ class SegmentAttention(nn.Module):
         if self.style == "always_cu_seq_lens":
             out = attention(self, q, k, v, None, scaling=None, is_causal=False, cu_seq_lens_q=cu_seqlens,
                             cu_seq_lens_k=cu_seqlens)[0]
-        elif is_flash_attention_requested(self.config):
+        elif self.style == "flash_by_other_function" and is_flash_attention_requested(self.config):
+            out = nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+        elif self.style != "flash_by_other_function" and is_flash_attention_requested(self.config):
             extra = {} if self.style == "flash_by_positions" else {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens}
             out = attention(self, q, k, v, None, scaling=None, is_causal=False, **extra)[0]
         else:
@@ -133,6 +137,14 @@ def test_a_flash_branch_without_segments_is_refused_then_traced_on_the_sdpa_bran
     counters = kimi_cg.counters.copy()
     assert counters["flash_path_refusals"] == 1 and counters["dynamo_graphs"] > graphs, counters
     assert counters["flash_path_traces"] == 1, counters  # only the refused trace took the branch
+
+
+def test_a_flash_branch_computing_attention_another_way_is_refused():
+    module = SegmentAttention("flash_by_other_function").eval()
+    _run(module, [[[2, 3], [1, 4]], [[2, 3], [1, 4]], [[3, 3], [2, 2], [1, 2]]])
+    counters = kimi_cg.counters.copy()
+    assert counters["flash_path_refusals"] == 1 and counters["flash_path_traces"] == 1, counters
+    assert counters["dynamo_graphs"] >= 2, counters
 
 
 def test_cu_seq_lens_given_to_sdpa_outside_the_flash_branch_are_ignored_as_eager_does():
