@@ -228,6 +228,7 @@ def test_bucketed_path_matches_eager(tower_name, tmp_path):
             error = relative_error(g, w)
             assert error <= RELATIVE_TOLERANCE, f"output {index} for {grid}: {error:.3e}; {dict(kimi_cg.counters)}"
     assert kimi_cg.counters["lift_fallbacks"] == kimi_cg.counters["call_fallbacks"] == 0, dict(kimi_cg.counters)
+    assert kimi_cg.counters["flash_path_refusals"] == 0, dict(kimi_cg.counters)  # NOTE [flash path]
     last_call = {k: kimi_cg.counters[k] - n for k, n in fallbacks.items()}  # traced by then
     if tower_name in REPLAYS_EVERY_CALL:  # no call ran unpadded (the last one, or none at all)
         assert last_call["eager_fallbacks"] == 0, dict(kimi_cg.counters)
