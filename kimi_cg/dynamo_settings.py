@@ -385,9 +385,18 @@ def _list_vs_tuple_aware(original):
         if op is operator.eq and len(left) == len(right):
             # Element-wise equality as one symbolic condition (no guard per element), so that
             # torch._check(x.shape[:-2] == y.shape[:-1]) traces with unbacked sizes.
+            # Constants decide at once; symbolic conditions are joined with & (SymBool & SymBool). Elements
+            # whose == is neither (tensors, objects) go to dynamo's own polyfill.
             result = True
             for a, b in zip(left, right):
-                result = torch.sym_and(result, a == b) if result is not True else a == b
+                same = a == b
+                if same is False:
+                    return False
+                if same is True:
+                    continue
+                if not isinstance(same, torch.SymBool):
+                    return original(op, left, right)
+                result = same if result is True else result & same
             return result
         return original(op, left, right)
 

@@ -231,7 +231,14 @@ def test_list_compare_shim_follows_python_semantics():
     # Same types: element-wise equality as one condition.
     assert shim(operator.eq, (1, 2), (1, 2)) is True
     assert shim(operator.eq, (1, 2), (1, 3)) is False
+    # A first element that differs decides (found on torch 2.11: the shim called a torch.sym_and that no
+    # torch has, and every traced frame comparing such lists was skipped, running eagerly).
+    assert shim(operator.eq, (2, 1), (3, 1)) is False
+    assert shim(operator.eq, ["a", 1, 2], ["b", 1, 2]) is False
+    assert shim(operator.eq, [], []) is True
     assert not calls
+    # Elements whose == is not a condition (tensors) go to dynamo's own polyfill.
+    assert shim(operator.eq, [torch.ones(2)], [torch.ones(2)]) == "original"
     # Orderings and different lengths go to dynamo's own polyfill.
     assert shim(operator.lt, (1, 2), (1, 3)) == "original"
     assert shim(operator.eq, (1, 2), (1, 2, 3)) == "original"

@@ -65,7 +65,8 @@ def test_towers_on_sdpa_trace_one_graph_per_item_count(tower_name, attn_implemen
     if attn_implementation == "sdpa":
         # One trace per item count, the whole forward in one graph: no settings ladder, no graph break.
         assert graphs == [1, 1, 1], (graphs, counters)
-        assert counters["flash_path_traces"] == 3 and counters["graph_breaks"] == 0, counters
+        # Every trace on the flash branch (torch 2.11 traces the forward apart from transformers' wrappers: more)
+        assert counters["flash_path_traces"] >= 3 and counters["graph_breaks"] == 0, counters
         assert counters["dynamo_trace_failures"] == 0 and counters["flash_path_refusals"] == 0, counters
     else:  # the model's own eager attention ignores cu_seq_lens_q: never on the flash branch
         assert counters["flash_path_traces"] == 0, counters
