@@ -198,17 +198,33 @@ def check_flash_path_graph(gm: torch.fx.GraphModule) -> None:
                                    f"computes {name} besides the packed attention ({node.format_node()[:200]})")
 
 
+def _traceable_copy(function):
+    """The same function under another identity: what a substitute calls to trace the original as written."""
+    copy = types.FunctionType(function.__code__, function.__globals__, function.__name__, function.__defaults__,
+                              function.__closure__)
+    copy.__kwdefaults__ = function.__kwdefaults__
+    return copy
+
+
+def _substitute(module_name: str, original, replacement) -> None:
+    try:
+        torch._dynamo.substitute_in_graph(original, skip_signature_check=True)(replacement)
+    except (TypeError, ValueError) as error:  # another library registered one first, or a torch without it
+        logger.info("kimi_cg: %s.%s is traced as written (%s)", module_name, original.__name__, error)
+    _installed[module_name] = original
+
+
 def install() -> None:
-    """Register the substitute for transformers' SDPA attention when transformers is loaded; idempotent."""
-    module = sys.modules.get(_SDPA_MODULE)
-    original = getattr(module, "sdpa_attention_forward", None)
-    if original is None or _SDPA_MODULE in _installed:  # once (a reloaded module keeps what it had)
-        if original is not None:
-            _install_flash_request(sys.modules.get(_GENERIC_MODULE))
+    """Register the substitutes (NOTE [attention substitutes], NOTE [flash path]) once transformers is
+    loaded; idempotent (a reloaded module keeps what it had)."""
+    _install_sdpa(getattr(sys.modules.get(_SDPA_MODULE), "sdpa_attention_forward", None))
+    _install_flash_request(getattr(sys.modules.get(_GENERIC_MODULE), "is_flash_attention_requested", None))
+
+
+def _install_sdpa(original) -> None:
+    if original is None or _SDPA_MODULE in _installed:
         return
-    copy = types.FunctionType(original.__code__, original.__globals__, original.__name__, original.__defaults__,
-                              original.__closure__)
-    copy.__kwdefaults__ = original.__kwdefaults__
+    copy = _traceable_copy(original)
 
     @functools.wraps(original)
     def sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
@@ -221,23 +237,15 @@ def install() -> None:
         return copy(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
                     **kwargs)
 
-    try:
-        torch._dynamo.substitute_in_graph(original, skip_signature_check=True)(sdpa_attention_forward)
-    except (TypeError, ValueError) as error:  # another library registered one first, or a torch without it
-        logger.info("kimi_cg: transformers' SDPA attention is traced as written (%s)", error)
-    _installed[_SDPA_MODULE] = original
-    _install_flash_request(sys.modules.get(_GENERIC_MODULE))
+    _substitute(_SDPA_MODULE, original, sdpa_attention_forward)
 
 
-def _install_flash_request(generic) -> None:
+def _install_flash_request(original) -> None:
     """NOTE [flash path]: ``is_flash_attention_requested`` is true in kimi_cg frames for vision configs
-    on "sdpa"; elsewhere it is traced as written."""
-    original = getattr(generic, "is_flash_attention_requested", None)
-    if original is None or _GENERIC_MODULE in _installed:
+    on "sdpa" (only once the SDPA substitute is in place); elsewhere it is traced as written."""
+    if original is None or _GENERIC_MODULE in _installed or _SDPA_MODULE not in _installed:
         return
-    copy = types.FunctionType(original.__code__, original.__globals__, original.__name__, original.__defaults__,
-                              original.__closure__)
-    copy.__kwdefaults__ = original.__kwdefaults__
+    copy = _traceable_copy(original)
 
     @functools.wraps(original)
     def is_flash_attention_requested(config=None, requested_attention_implementation=None, version=None):
@@ -246,8 +254,4 @@ def _install_flash_request(generic) -> None:
             return _note_flash_path()
         return copy(config, requested_attention_implementation, version)
 
-    try:
-        torch._dynamo.substitute_in_graph(original, skip_signature_check=True)(is_flash_attention_requested)
-    except (TypeError, ValueError) as error:
-        logger.info("kimi_cg: transformers' is_flash_attention_requested is traced as written (%s)", error)
-    _installed[_GENERIC_MODULE] = original
+    _substitute(_GENERIC_MODULE, original, is_flash_attention_requested)

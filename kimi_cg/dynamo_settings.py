@@ -303,28 +303,25 @@ def _reset_skipped_codes() -> None:
     _codes_to_trace_again.clear()
 
 
-def _flash_path_refusal(error: BaseException):
-    """The FlashPathRefused in the error's chain (dynamo wraps it), or None."""
-    from kimi_cg.attention_substitutes import FlashPathRefused
-
+def _error_chain(error: BaseException):
+    """The error and the errors it was raised from or during (dynamo wraps what it catches)."""
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        if isinstance(error, FlashPathRefused):
-            return error
+        yield error
         error = error.__cause__ or error.__context__
-    return None
+
+
+def _flash_path_refusal(error: BaseException):
+    """The FlashPathRefused in the error's chain, or None."""
+    from kimi_cg.attention_substitutes import FlashPathRefused
+
+    return next((link for link in _error_chain(error) if isinstance(link, FlashPathRefused)), None)
 
 
 def _caused_by_unbacked_values(error: BaseException) -> bool:
     """Whether dynamo failed on a data-dependent size or value, i.e. because of DYNAMO_SETTINGS."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if type(error).__name__ in _UNBACKED_ERRORS or "data-dependent" in str(error):
-            return True
-        error = error.__cause__ or error.__context__
-    return False
+    return any(type(link).__name__ in _UNBACKED_ERRORS or "data-dependent" in str(link) for link in _error_chain(error))
 
 
 _UNBACKED_ERRORS = {"GuardOnDataDependentSymNode", "DataDependentOutputException", "DynamicOutputShapeException",

@@ -18,24 +18,10 @@ pytest.importorskip("transformers")
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 from transformers.utils.generic import is_flash_attention_requested  # noqa: E402
 
-from towers import TowerUnavailable  # noqa: E402
+from towers import TowerUnavailable, relative_error  # noqa: E402
 from towers.transformers_towers import FACTORIES  # noqa: E402
 
 RELATIVE_TOLERANCE = 1e-5
-
-
-@pytest.fixture(autouse=True)
-def fresh_compiler():
-    torch._dynamo.reset()
-    kimi_cg.reset()
-    yield
-    torch._dynamo.reset()
-    kimi_cg.reset()
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    scale = want.double().abs().max().item()
-    return (got.double() - want.double()).abs().max().item() / max(scale, torch.finfo(torch.float32).tiny)
 
 
 def assert_matches(got: list[torch.Tensor], want: list[torch.Tensor], where: str) -> None:

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import kimi_cg
-from towers import Tower, TowerUnavailable
+from towers import Tower, TowerUnavailable, relative_error
 from towers.transformers_towers import FACTORIES as TRANSFORMERS_FACTORIES
 from towers.upstream_moonvit import build_upstream_moonvit
 
@@ -140,11 +140,6 @@ def build_tower(factory, attn_implementation: str) -> Tower:
         return factory(attn_implementation, seed=SEED)
     except TowerUnavailable as reason:
         pytest.skip(str(reason))
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    scale = want.double().abs().max().item()
-    return (got.double() - want.double()).abs().max().item() / max(scale, torch.finfo(torch.float32).tiny)
 
 
 @pytest.mark.parametrize("factory, tower_name, attn_implementation", CASES)

@@ -181,7 +181,7 @@ def _segments_over_rows(node: torch.fx.Node, static_rows, row_sizes) -> bool:
     return True
 
 
-# Layout methods kimi_cg's canonicalising passes put around an attention they rewrite (those nodes carry
+# Layout methods kimi_cg's canonicalising passes put around an attention they rewrite (those nodes hold
 # no traced value): their value is the method applied to the input's fake tensor.
 _LAYOUT_METHODS = ("transpose", "squeeze", "unsqueeze", "contiguous", "permute", "view", "reshape")
 

@@ -45,6 +45,12 @@ def tensors_of(value: Any) -> list[torch.Tensor]:
     raise TypeError(f"no tensors in a {type(value).__name__}")
 
 
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| over max |want| (NaN when got has NaN: it fails every bound)."""
+    scale = want.double().abs().max().item()
+    return (got.double() - want.double()).abs().max().item() / max(scale, torch.finfo(torch.float32).tiny)
+
+
 def randomize_weights_(model: nn.Module, seed: int) -> nn.Module:
     """Give every parameter random values of a scale where attention is sharp and position terms matter.
 
