@@ -391,7 +391,9 @@ def _list_vs_tuple_aware(original):
                     return False
                 if same is True:
                     continue
-                if not isinstance(same, torch.SymBool):
+                # Dynamo reports a traced SymBool's type as bool (isinstance(same, torch.SymBool) is
+                # False while tracing, on torch 2.11 and 2.13 alike): accept both.
+                if not isinstance(same, (bool, torch.SymBool)):
                     return original(op, left, right)
                 result = same if result is True else result & same
             return result

@@ -242,3 +242,21 @@ def test_list_compare_shim_follows_python_semantics():
     # Orderings and different lengths go to dynamo's own polyfill.
     assert shim(operator.lt, (1, 2), (1, 3)) == "original"
     assert shim(operator.eq, (1, 2), (1, 2, 3)) == "original"
+
+
+def test_list_compare_shim_traces_unbacked_sizes_in_one_graph():
+    # The shim runs as a polyfill inside dynamo, where a SymBool's type reads as bool: found on torch
+    # 2.11, where every MoonViT frame broke its graph at apply_rope's shape check and ran unlifted.
+    shim = dynamo_settings._list_vs_tuple_aware(lambda op, left, right: pytest.fail("fell back to the original"))
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def grid_rows(x, grid):
+        h, w = grid.tolist()
+        rows = x.new_zeros(h * w, 4)
+        torch._check(shim(operator.eq, rows.shape[:-1], x.shape[:-1]))
+        return rows + x
+
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        out = grid_rows(torch.ones(6, 4), torch.tensor([2, 3]))
+    torch._dynamo.reset()
+    assert torch.equal(out, torch.ones(6, 4))
