@@ -196,8 +196,10 @@ DEVICE_CALLS_PER_CALL = {"kimi_k25": 2, "qwen2_vl": 1, "qwen2_5_vl": 1, "glm4v":
 # runs eagerly, is called with the hidden states and the rotary table: static, dynamic rows, dynamic
 # width make three (unused once the forward is traced). So are its blocks (forward_with_checkpointing),
 # on their flash branch (NOTE [flash path]): window and full-attention layers pass cu_seqlens of other
-# lengths (two static traces), then dynamic rows.
-PROGRAMS_PER_PIECE = {("qwen2_5_vl", "permute_input_for_window_attn"): 3, ("qwen2_5_vl", "forward_with_checkpointing"): 3}
+# lengths (two static traces), then dynamic rows. transformers 5.17 names that block frame `__call__`
+# (GradientCheckpointingLayer's), later releases `forward_with_checkpointing`.
+PROGRAMS_PER_PIECE = {("qwen2_5_vl", "permute_input_for_window_attn"): 3, ("qwen2_5_vl", "forward_with_checkpointing"): 3,
+                      ("qwen2_5_vl", "__call__"): 3}
 
 
 @pytest.mark.parametrize("tower_name", ["kimi_k25", "qwen2_vl", "qwen2_5_vl", "glm4v", "qwen3_vl", "qwen3_5", "glm_ocr",
@@ -478,7 +480,9 @@ def test_kimi_k25_generate_with_the_compiled_tower_equals_eager():
     result = subprocess.run([sys.executable, "scripts/kimi_k25_generate.py", "--device", "cpu"], capture_output=True,
                             text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert result.stdout.count("tokens identical") == 4 and "OK: generate()" in result.stdout, result.stdout
+    # A prompt eager itself fails on (transformers 5.17's video merge) must fail the same way compiled.
+    same = result.stdout.count("tokens identical") + result.stdout.count("the compiled model raises the same")
+    assert same == 4 and "OK: generate()" in result.stdout, result.stdout
 
 
 def test_family_bench_runs_on_cpu(tmp_path):
