@@ -6,6 +6,9 @@ Keys (missing keys read as 0):
   frames_skipped              kimi_cg frames dynamo gave up on (they run eagerly; warned with the fix)
   device_programs_compiled    device programs built (structurally equal ones are built once)
   device_program_cache_hits   dynamo graphs that reused an existing device program
+  device_program_respecializations  symbolic runs of a device program (its row counts, its Inductor
+                              compile) again at a call's sizes, which an earlier run's guards did not
+                              cover (NOTE [hints of a symbolic run])
   host_programs_built         host metadata programs built (one per dynamo graph)
   metadata_cache_hits/misses  per-item host metadata lookups
   batch_cache_hits            calls whose whole host pass was reused (same grid, same weights)

@@ -3,6 +3,18 @@
 Dynamo hands kimi_cg one graph per number of items N. After lifting, the device programs of these
 graphs are usually identical (the per-item work went to the host), so they are keyed by a
 structural hash (ops, targets, constant args, input kinds; node names ignored) and compiled once.
+
+NOTE [hints of a symbolic run]
+A device program is run symbolically (fake tensors whose sizes are symbols) to derive its outputs'
+row counts, and Inductor compiles it the same way. Each symbol has a hint: its size at the call that
+triggered the run. Where an op asks a question the symbols cannot answer, torch answers with the hint
+and records a guard. Broadcasting asks ``rows == 1`` (``guard_or_false`` in fake tensors' size
+inference): at a call with one merged row the answer is yes, and the sum takes the other operand's
+size, a literal 1. What the run derived (row expressions, Inductor's code) holds only where its guards
+and symbol replacements hold. So every run keeps them (``ShapeAssumptions``); a call whose sizes break
+one gets a run of its own, at its own sizes (``device_program_respecializations``). Found on Qwen2-VL's
+tower: its first symbolic call had one merged row, and every later call on the padded path returned
+one row.
 """
 
 from __future__ import annotations
@@ -94,10 +106,12 @@ class DeviceProgram:
         self.key = key
         self.compiler = compiler
         self.host_inputs = host_inputs
-        self._compiled = None
+        self._compiled: list[tuple["ShapeAssumptions | None", object]] = []  # NOTE [hints of a symbolic run]
+        self._compiled_by_shape: dict = {}
         self._compile_error: Exception | None = None  # a failed compile is not retried on every call
         self._compile_lock = threading.Lock()  # threads calling a new program compile it once
-        self._output_rows = None
+        self._row_runs: list[SymbolicRows] = []  # NOTE [hints of a symbolic run]
+        self._size_positions: list[tuple[int, int | None]] | None = None
         self.output_rows_by_shape: dict = {}
         self.bucketed_graphs: dict = {}  # runtime.graphs.BucketedGraphs per (configuration, weights)
         self.configurations: dict = {}  # runtime configuration -> its small id (see backend._bucketed_graphs)
@@ -105,56 +119,75 @@ class DeviceProgram:
         self.inductor_code: str | None = None
 
     def __call__(self, *inputs):
-        compiled = self._compiled
+        if self.compiler == "eager":  # runs the real ops: nothing was assumed
+            return self.gm(*inputs)
+        signature = self._signature(inputs)
+        compiled = self._compiled_by_shape.get(signature)
         if compiled is None:
-            compiled = self._compile_once(inputs)
+            compiled = self._compile_once(inputs, signature)
         return compiled(*inputs)
 
-    def _compile_once(self, inputs):
+    def _signature(self, inputs) -> tuple:
+        """The call's symbolic sizes (the positions a symbolic run gives symbols of their own)."""
+        if self._size_positions is None:
+            self._size_positions = _symbolic_positions(self.gm, inputs, self.host_inputs)
+        return tuple(int(inputs[i]) if d is None else inputs[i].shape[d] for i, d in self._size_positions)
+
+    def _compile_once(self, inputs, signature):
         with self._compile_lock:
-            if self._compiled is not None:
-                return self._compiled
-            if self._compile_error is not None:
-                raise UnsupportedGraphError(f"the device program failed to compile: {self._compile_error}",
-                                            "device compile failed") from self._compile_error
-            start = time.perf_counter()
-            try:
-                self._compiled = self._compile(inputs)
-            except Exception as error:
-                self._compile_error = error
-                raise
-            finally:
-                timings["device_compile"] += time.perf_counter() - start
-            return self._compiled
+            compiled = self._compiled_by_shape.get(signature)
+            if compiled is not None:
+                return compiled
+            compiled = next((c for assumptions, c in self._compiled if assumptions is None
+                             or assumptions.hold(self._size_positions, signature)), None)
+            if compiled is None:
+                if self._compile_error is not None:
+                    raise UnsupportedGraphError(f"the device program failed to compile: {self._compile_error}",
+                                                "device compile failed") from self._compile_error
+                if self._compiled:
+                    counters["device_program_respecializations"] += 1
+                start = time.perf_counter()
+                try:
+                    assumptions, compiled = self._compile(inputs)
+                except Exception as error:
+                    self._compile_error = error
+                    raise
+                finally:
+                    timings["device_compile"] += time.perf_counter() - start
+                self._compiled.append((assumptions, compiled))
+            if len(self._compiled_by_shape) < 4096:
+                self._compiled_by_shape[signature] = compiled
+            return compiled
 
     def _compile(self, inputs):
-        if self.compiler == "eager":
-            return self.gm
         if self.compiler == "inductor":
             from torch._inductor.codecache import PyCodeCache
 
             before = len(PyCodeCache.modules)
-            compiled = compile_with_inductor(self.gm, inputs, self.host_inputs)
+            assumptions, compiled = _compile_with_inductor(self.gm, inputs, self.host_inputs)
             self.inductor_code = _source_of(PyCodeCache.modules[before:])
             for dump in self.dumps:
                 dump.shared_file("device_programs", f"{self.key}.inductor", lambda: self.inductor_code or
                                  "# Inductor's output code was not found (served from a cache without loading a module)",
                                  field="inductor_code_file")
             self.dumps.clear()  # written: the program no longer needs to reach the graphs' dumps
-            return compiled
+            return assumptions, compiled
         raise ValueError(f"unknown device compiler {self.compiler!r}")
 
     def output_rows(self, inputs) -> list[int | None]:
         """The leading size each output has for these (unpadded) inputs, from the program's symbolic
         shapes: the CUDA-graph runtime slices a bucket's padded outputs back to these sizes."""
-        if self._output_rows is None:
-            self._output_rows = _output_row_expressions(self.gm, inputs, self.host_inputs)
-        symbols, expressions = self._output_rows
-        signature = tuple(int(inputs[i]) if d is None else inputs[i].shape[d] for i, d in symbols.values())
+        signature = self._signature(inputs)
         rows = self.output_rows_by_shape.get(signature)
         if rows is None:
-            values = dict(zip(symbols, signature))
-            rows = [None if expr is None else int(expr.xreplace(values)) for expr in expressions]
+            run = next((r for r in self._row_runs if r.assumptions.hold(self._size_positions, signature)), None)
+            if run is None:  # NOTE [hints of a symbolic run]: a run at these sizes
+                if self._row_runs:
+                    counters["device_program_respecializations"] += 1
+                run = _output_row_expressions(self.gm, inputs, self.host_inputs)
+                if len(self._row_runs) < 64:
+                    self._row_runs.append(run)
+            rows = run.rows(self._size_positions, signature)
             if len(self.output_rows_by_shape) < 4096:
                 self.output_rows_by_shape[signature] = rows
         return rows
@@ -247,33 +280,99 @@ def compile_with_inductor(gm: torch.fx.GraphModule, inputs, host_inputs: frozens
     program's fakes hold symbols of their own, so a guard relating a size input to a tensor size names
     a tensor the cache cannot bind, and the next process's lookup raised NameError (that program then
     never ran lifted)."""
+    return _compile_with_inductor(gm, inputs, host_inputs)[1]
+
+
+def _compile_with_inductor(gm: torch.fx.GraphModule, inputs, host_inputs: frozenset[int] = frozenset()):
+    """compile_with_inductor, and what its compile assumed (NOTE [hints of a symbolic run])."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
     fake_mode, fakes = _fake_inputs(gm, inputs, host_inputs)
+    symbols = _input_symbols(fakes)  # before the compile (see _output_row_expressions)
     no_inductor_cache = {key: False for key in ("fx_graph_cache", "fx_graph_remote_cache") if hasattr(inductor_config, key)}
     no_autograd_cache = {key: False for key in ("enable_autograd_cache",) if hasattr(functorch_config, key)}
     with fake_mode, inductor_config.patch(no_inductor_cache), functorch_config.patch(no_autograd_cache):
-        return compile_fx(gm, fakes)
+        compiled = compile_fx(gm, fakes)
+    return ShapeAssumptions(fake_mode.shape_env, symbols), compiled
 
 
-def _output_row_expressions(gm: torch.fx.GraphModule, inputs, host_inputs: frozenset[int]):
-    """Run the program on symbolic fakes once: each output's leading size as an expression over
-    (input index, dim) symbols."""
-    fake_mode, fakes = _fake_inputs(gm, inputs, host_inputs)
-    with fake_mode:
-        outputs = gm(*fakes)
-    shape_env = fake_mode.shape_env
+def _input_symbols(fakes) -> dict:
+    """symbol -> (input index, dim) for each size of the fakes that is a symbol of its own; dim None
+    for a size input (its value)."""
     symbols = {}
     for position, fake in enumerate(fakes):
         if isinstance(fake, torch.Tensor):
             for dim, size in enumerate(fake.shape):
                 if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
                     symbols.setdefault(size.node.expr, (position, dim))
-    for position, fake in enumerate(fakes):  # a size input with a symbol of its own: its value
+    for position, fake in enumerate(fakes):
         if isinstance(fake, torch.SymInt) and fake.node.expr.is_Symbol:
             symbols.setdefault(fake.node.expr, (position, None))
+    return symbols
+
+
+def _symbolic_positions(gm: torch.fx.GraphModule, inputs, host_inputs: frozenset[int]) -> list:
+    """The (input index, dim) positions a symbolic run gives symbols: a call's signature."""
+    _fake_mode, fakes = _fake_inputs(gm, inputs, host_inputs)
+    return sorted(set(_input_symbols(fakes).values()), key=lambda p: (p[0], -1 if p[1] is None else p[1]))
+
+
+class ShapeAssumptions:
+    """What one symbolic run assumed about its input sizes (NOTE [hints of a symbolic run]): its guards
+    and the replacements of input symbols, as conditions over (input index, dim) positions."""
+
+    def __init__(self, shape_env, symbols: dict):
+        self.symbols = symbols  # symbol -> (input index, dim)
+        conditions = {}
+        for symbol, target in shape_env.replacements.items():
+            if symbol in symbols:
+                conditions[str(symbol)] = sympy.Eq(symbol, target, evaluate=False)
+        for guard in shape_env.guards:
+            conditions.setdefault(str(guard.expr), guard.expr)
+        self.conditions = list(conditions.values())
+
+    def hold(self, positions, signature) -> bool:
+        """Whether a call with these sizes meets every condition (False when one cannot be evaluated)."""
+        by_position = dict(zip(positions, signature))
+        values = {}
+        for symbol, position in self.symbols.items():
+            if position not in by_position:
+                return False
+            values[symbol] = sympy.Integer(by_position[position])
+        for condition in self.conditions:
+            try:
+                result = condition.xreplace(values)
+                if not isinstance(result, sympy.logic.boolalg.BooleanAtom):
+                    result = sympy.simplify(result)
+            except Exception:  # noqa: BLE001 - an expression sympy cannot evaluate: not known to hold
+                return False
+            if result is not sympy.true:
+                return False
+        return True
+
+
+class SymbolicRows:
+    """One symbolic run's output row counts, as expressions over its input symbols."""
+
+    def __init__(self, symbols: dict, expressions: list, assumptions: ShapeAssumptions):
+        self.symbols, self.expressions, self.assumptions = symbols, expressions, assumptions
+
+    def rows(self, positions, signature) -> list[int | None]:
+        by_position = dict(zip(positions, signature))
+        values = {symbol: by_position[position] for symbol, position in self.symbols.items()}
+        return [None if expr is None else int(expr.xreplace(values)) for expr in self.expressions]
+
+
+def _output_row_expressions(gm: torch.fx.GraphModule, inputs, host_inputs: frozenset[int]) -> SymbolicRows:
+    """Run the program on symbolic fakes once: each output's leading size as an expression over
+    (input index, dim) symbols, valid where the run's assumptions hold."""
+    fake_mode, fakes = _fake_inputs(gm, inputs, host_inputs)
+    symbols = _input_symbols(fakes)  # before the run: a size's expression reads through the run's replacements
+    with fake_mode:
+        outputs = gm(*fakes)
+    shape_env = fake_mode.shape_env
     expressions = []
     for output in outputs:
         if isinstance(output, torch.Tensor) and output.dim():
@@ -281,7 +380,7 @@ def _output_row_expressions(gm: torch.fx.GraphModule, inputs, host_inputs: froze
             expressions.append(shape_env.replace(size.node.expr) if isinstance(size, torch.SymInt) else sympy.Integer(size))
         else:
             expressions.append(None)
-    return symbols, expressions
+    return SymbolicRows(symbols, expressions, ShapeAssumptions(shape_env, symbols))
 
 
 def get_device_program(gm: torch.fx.GraphModule, compiler: str, host_inputs: frozenset[int] = frozenset()) -> DeviceProgram:

@@ -3,6 +3,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
+# The checkout's top-level kernels/ (installed as kimi_cg.kernels) must not shadow an installed
+# package named `kernels` (Hugging Face's, which transformers >= 5.25 imports): keep the working
+# directory off sys.path, in pytest, its workers and the scripts the tests start.
+export PYTHONSAFEPATH=1
 # Two pytest workers (pytest-xdist), whole files per worker so module fixtures are built once:
 # tracing is single-threaded Python, so two workers on two cores nearly halve the run.
 # KIMI_CG_TEST_WORKERS=0 runs in one process.

@@ -239,6 +239,24 @@ def test_bucketed_path_matches_eager(tower_name, tmp_path):
     assert not over, over
 
 
+def test_a_first_symbolic_call_with_one_merged_row_does_not_fix_later_output_sizes():
+    """Found by the H200's bf16 fuzz of Qwen2-VL (and reproduced on CPU): the device program's output
+    rows were derived once, at the first call traced with symbolic sizes; that call had one merged row,
+    the bias broadcast in the merger assumed it, and later calls on the padded path returned one merged
+    row (NOTE [hints of a symbolic run] in kimi_cg/device_program.py)."""
+    tower = build_tower(TRANSFORMERS_FACTORIES["qwen2_vl"], "sdpa")
+    compiled = torch.compile(tower.model, backend="kimi_cg", options=BUCKET_OPTIONS)
+    for grid in ([[2, 2, 2]], [[1, 2, 2]], [[1, 8, 6], [1, 10, 16]], [[1, 2, 2]]):
+        args = tower.make_inputs(grid)
+        with torch.no_grad():
+            want = tower.extract_outputs(tower.model(*args))
+            got = tower.extract_outputs(compiled(*args))
+        for index, (g, w) in enumerate(zip(got, want)):
+            assert g.shape == w.shape, f"output {index} for {grid}: {tuple(g.shape)}, eager {tuple(w.shape)}"
+            assert relative_error(g, w) <= RELATIVE_TOLERANCE, f"output {index} for {grid}"
+    assert kimi_cg.counters["padded_runs"] + kimi_cg.counters["graph_replays"] >= 3, dict(kimi_cg.counters)
+
+
 def test_bucketed_qwen2_5_vl_with_inductor_programs_runs_every_call_lifted():
     """Inductor device programs (the CUDA default) on the tower with a size input (seq_len) and a frame
     called with tensors of two widths; strict, so a call that cannot run lifted raises. Each found on

@@ -52,7 +52,9 @@ def _load(model_name: str, config_class_name: str, model_class_name: str):
         module_name = f"transformers.models.{model_name}.{kind}_{model_name}"
         try:
             module = importlib.import_module(module_name)
-        except ImportError as error:
+        except ModuleNotFoundError as error:
+            if error.name is None or not module_name.startswith(error.name):
+                raise  # the module exists but cannot import: a broken environment fails, it is not skipped
             raise TowerUnavailable(f"transformers {transformers.__version__} has no {module_name}: {error}") from None
         if not hasattr(module, class_name):
             raise TowerUnavailable(f"transformers {transformers.__version__} {module_name} lacks {class_name}")
