@@ -26,12 +26,14 @@ import math
 import os
 import statistics
 import subprocess
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-import bench  # scripts/bench.py: the request streams and inputs
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also under python -P / PYTHONSAFEPATH
+import bench  # noqa: E402  scripts/bench.py: the request streams and inputs
 import kimi_cg
 import kimi_cg.distributed
 from kimi_cg.models import MoonViT3dConfig, MoonViT3dPretrainedModel, MoonVitConfig, MoonVitPretrainedModel

@@ -29,13 +29,15 @@ import argparse
 import datetime
 import json
 import statistics
+import os
 import subprocess
 import sys
 import time
 
 import torch
 
-import bench  # scripts/bench.py: the same request streams and timing helpers
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also under python -P / PYTHONSAFEPATH
+import bench  # noqa: E402  scripts/bench.py: the same request streams and timing helpers
 import kimi_cg
 import kimi_cg.testing
 

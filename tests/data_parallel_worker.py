@@ -27,7 +27,8 @@ import kimi_cg
 from kimi_cg.distributed import DataParallelError
 from kimi_cg.testing import compare
 from kimi_cg.models import MoonViT3dConfig, MoonViT3dPretrainedModel, MoonVitConfig, MoonVitPretrainedModel
-from towers.transformers_towers import build_kimi_k25, build_qwen2_vl  # tests/towers (this script's folder)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also under python -P / PYTHONSAFEPATH
+from towers.transformers_towers import build_kimi_k25, build_qwen2_vl  # noqa: E402  tests/towers (this script's folder)
 
 # The bucketed, padded path on CPU (no capture); an item of 16x16 patches is over the largest bucket.
 OPTIONS = {"cuda_graphs": True, "token_budgets": [64, 128], "buckets_per_doubling": 1}
