@@ -343,12 +343,10 @@ class ShapeAssumptions:
             values[symbol] = sympy.Integer(by_position[position])
         for condition in self.conditions:
             try:
-                result = condition.xreplace(values)
-                if not isinstance(result, sympy.logic.boolalg.BooleanAtom):
-                    result = sympy.simplify(result)
+                result = condition.xreplace(values)  # integers for every input symbol: evaluates at once
             except Exception:  # noqa: BLE001 - an expression sympy cannot evaluate: not known to hold
                 return False
-            if result is not sympy.true:
+            if result is not sympy.true:  # false, or over a symbol no input gives: a run of its own
                 return False
         return True
 
