@@ -106,7 +106,7 @@ class DeviceProgram:
         self.key = key
         self.compiler = compiler
         self.host_inputs = host_inputs
-        self._compiled: list[tuple["ShapeAssumptions | None", object]] = []  # NOTE [hints of a symbolic run]
+        self._compiled: list[tuple["ShapeAssumptions", object]] = []  # NOTE [hints of a symbolic run]
         self._compiled_by_shape: dict = {}
         self._compile_error: Exception | None = None  # a failed compile is not retried on every call
         self._compile_lock = threading.Lock()  # threads calling a new program compile it once
@@ -138,8 +138,8 @@ class DeviceProgram:
             compiled = self._compiled_by_shape.get(signature)
             if compiled is not None:
                 return compiled
-            compiled = next((c for assumptions, c in self._compiled if assumptions is None
-                             or assumptions.hold(self._size_positions, signature)), None)
+            compiled = next((c for assumptions, c in self._compiled if assumptions.hold(self._size_positions, signature)),
+                            None)
             if compiled is None:
                 if self._compile_error is not None:
                     raise UnsupportedGraphError(f"the device program failed to compile: {self._compile_error}",
@@ -333,14 +333,18 @@ class ShapeAssumptions:
             conditions.setdefault(str(guard.expr), guard.expr)
         self.conditions = list(conditions.values())
 
+    def values(self, positions, signature) -> dict | None:
+        """symbol -> the call's size, or None when the call lacks one of the run's positions."""
+        by_position = dict(zip(positions, signature))
+        if not all(position in by_position for position in self.symbols.values()):
+            return None
+        return {symbol: sympy.Integer(by_position[position]) for symbol, position in self.symbols.items()}
+
     def hold(self, positions, signature) -> bool:
         """Whether a call with these sizes meets every condition (False when one cannot be evaluated)."""
-        by_position = dict(zip(positions, signature))
-        values = {}
-        for symbol, position in self.symbols.items():
-            if position not in by_position:
-                return False
-            values[symbol] = sympy.Integer(by_position[position])
+        values = self.values(positions, signature)
+        if values is None:
+            return False
         for condition in self.conditions:
             try:
                 result = condition.xreplace(values)  # integers for every input symbol: evaluates at once
@@ -352,14 +356,14 @@ class ShapeAssumptions:
 
 
 class SymbolicRows:
-    """One symbolic run's output row counts, as expressions over its input symbols."""
+    """One symbolic run's output row counts, as expressions over its input symbols (a call's sizes
+    evaluate them where ``assumptions`` hold)."""
 
-    def __init__(self, symbols: dict, expressions: list, assumptions: ShapeAssumptions):
-        self.symbols, self.expressions, self.assumptions = symbols, expressions, assumptions
+    def __init__(self, expressions: list, assumptions: ShapeAssumptions):
+        self.expressions, self.assumptions = expressions, assumptions
 
     def rows(self, positions, signature) -> list[int | None]:
-        by_position = dict(zip(positions, signature))
-        values = {symbol: by_position[position] for symbol, position in self.symbols.items()}
+        values = self.assumptions.values(positions, signature)
         return [None if expr is None else int(expr.xreplace(values)) for expr in self.expressions]
 
 
@@ -378,7 +382,7 @@ def _output_row_expressions(gm: torch.fx.GraphModule, inputs, host_inputs: froze
             expressions.append(shape_env.replace(size.node.expr) if isinstance(size, torch.SymInt) else sympy.Integer(size))
         else:
             expressions.append(None)
-    return SymbolicRows(symbols, expressions, ShapeAssumptions(shape_env, symbols))
+    return SymbolicRows(expressions, ShapeAssumptions(shape_env, symbols))
 
 
 def get_device_program(gm: torch.fx.GraphModule, compiler: str, host_inputs: frozenset[int] = frozenset()) -> DeviceProgram:
