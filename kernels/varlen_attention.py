@@ -138,6 +138,33 @@ def plan_work_list(cu_seqlens: Sequence[int], *, block_m: int = BLOCK_M, padding
     return torch.tensor(work, dtype=torch.int32).reshape(-1, WORK_ENTRY)
 
 
+def plan_work_list_on_device(cu_seqlens: torch.Tensor, entries: int, block_m: int = BLOCK_M) -> torch.Tensor:
+    """``plan_work_list(cu_seqlens, entries=entries)`` made with tensor ops of fixed shapes on the
+    boundaries' device: no host read, so a CUDA graph can capture it and a replay plans the segments
+    its static boundary buffer holds then. Entries beyond the call's blocks do nothing; a call whose
+    blocks exceed ``entries`` would lose rows, so ``entries`` must be at least
+    ``work_list_capacity(rows, segments)`` (the caller sizes it from the shapes, which bound it)."""
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"cu_seqlens must be 1-D and non-empty; got shape {tuple(cu_seqlens.shape)}")
+    if block_m <= 0 or entries < 0:
+        raise ValueError(f"block_m must be positive and entries non-negative; got {block_m}, {entries}")
+    if cu_seqlens.numel() == 1:  # no segment: nothing to plan
+        return torch.zeros(entries, WORK_ENTRY, dtype=torch.int32, device=cu_seqlens.device)
+    bounds = cu_seqlens.to(torch.int64)
+    starts, ends = bounds[:-1], bounds[1:]
+    blocks = (ends - starts).clamp_min(0).add(block_m - 1).div(block_m, rounding_mode="floor")
+    last_block = torch.cumsum(blocks, 0)  # entry e belongs to the first segment whose last_block > e
+    entry = torch.arange(entries, device=cu_seqlens.device, dtype=torch.int64)
+    segment = torch.searchsorted(last_block, entry, right=True).clamp_max(blocks.numel() - 1)
+    first_block = last_block - blocks
+    seg_start, seg_end = starts[segment], ends[segment]
+    q_start = seg_start + (entry - first_block[segment]) * block_m
+    q_end = torch.minimum(q_start + block_m, seg_end)
+    used = entry < last_block[-1]
+    work = torch.stack([q_start, q_end, seg_start, seg_end], dim=1)
+    return torch.where(used[:, None], work, torch.zeros_like(work)).to(torch.int32)
+
+
 def work_list_rows(work: torch.Tensor) -> torch.Tensor:
     """How many entries cover each query row (each must be covered exactly once): for checks."""
     entries = work.to(torch.int64).cpu().tolist()

@@ -275,6 +275,28 @@ def test_bucketed_qwen2_5_vl_with_inductor_programs_runs_every_call_lifted():
     assert kimi_cg.counters["lift_fallbacks"] == kimi_cg.counters["call_fallbacks"] == 0, dict(kimi_cg.counters)
 
 
+def test_bucketed_qwen2_5_vl_with_many_windows_replays_every_traced_call():
+    """Qwen2.5-VL's window boundaries hold a segment per window (16 and more per image here, hundreds at
+    real sizes): more than max_items, so before NOTE [segment tables] (kimi_cg/runtime/graphs.py) no
+    bucket fit and every call ran the plain program (98 of 118 device calls on the H200, 2026-12-03)."""
+    tower = build_tower(TRANSFORMERS_FACTORIES["qwen2_5_vl"], "sdpa")
+    # max_items=4: the tiny tower's 16 to 40 windows a call overflow the item table (as real sizes do the default 32)
+    compiled = torch.compile(tower.model, backend="kimi_cg", options=dict(BUCKET_OPTIONS, token_budgets=[256, 512], max_items=4))
+    grids = [[[1, 16, 16]], [[1, 16, 12], [1, 6, 10]], [[1, 16, 16]], [[1, 12, 16], [1, 10, 6], [2, 4, 8]], [[1, 14, 10]]]
+    for index, grid in enumerate(grids):
+        args = tower.make_inputs(grid)
+        before = kimi_cg.counters["eager_fallbacks"]
+        with torch.no_grad():
+            want = tower.extract_outputs(tower.model(*args))
+            got = tower.extract_outputs(compiled(*args))
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and relative_error(g, w) <= RELATIVE_TOLERANCE, grid
+        if index >= 3:  # the forward is traced by then (NOTE [settings ladder]): every call replays
+            assert kimi_cg.counters["eager_fallbacks"] == before, dict(kimi_cg.counters)
+    assert kimi_cg.counters["segment_tables_made_dense"] >= 1, dict(kimi_cg.counters)
+    assert kimi_cg.counters["padded_runs"] >= 2 and kimi_cg.counters["padding_hazards"] == 0, dict(kimi_cg.counters)
+
+
 # Two models other torch.compile users write: per-piece loops over host lists made with .tolist().
 # They run under backend="eager" and "inductor" before a kimi_cg compile, after it (compiled before and
 # called after, and compiled afresh), and in a worker thread after a kimi_cg compile there; outputs must

@@ -96,6 +96,46 @@ def test_padded_rows_are_zero_and_cu_seqlens_gets_a_trailing_segment():
     assert runtime.choose([x, 5, cu, torch.zeros(3, 3, dtype=torch.long), torch.ones(3, 3)]) is None  # frames
 
 
+def test_many_segments_get_a_dense_table_and_padding_in_short_segments():
+    """NOTE [segment tables] in kimi_cg/runtime/graphs.py: window attention's boundaries (more segments
+    than max_items) make the input's table dense instead of running the plain program; padding rows
+    get segments of their own, PADDING_SEGMENT_ROWS long while the table has room."""
+    from kimi_cg.runtime.graphs import PADDING_SEGMENT_ROWS, ROWS_PER_DENSE_SEGMENT, BucketedGraphs, InputRule
+
+    class Recorder:
+        def __call__(self, *args):
+            self.args = args
+            return (args[0] * 1.0,)
+
+        def output_rows(self, args):
+            return [args[0].shape[0]]
+
+    recorder = Recorder()
+    runtime = BucketedGraphs(recorder, [InputRule("rows"), InputRule("cu_seqlens")], buckets=(64, 256, 512), max_items=3,
+                             max_frames=2, capture=False)
+    windows = torch.tensor([0, 4, 20, 36, 40, 56, 60, 64, 80, 84, 90, 94, 100], dtype=torch.int32)  # 12 windows
+    x = torch.randn(100, 3)
+    assert runtime.choose([x, windows]) is None  # 12 segments: more than max_items
+    assert runtime.make_tables_dense([x, windows]) and not runtime.make_tables_dense([x, windows])
+    assert runtime.segment_slots(1, 256) == 4 + 256 // ROWS_PER_DENSE_SEGMENT
+    capacity = runtime.choose([x, windows])
+    assert capacity == 256
+    (out,) = runtime.run([x, windows], capacity)
+    static_x, static_cu = recorder.args
+    bounds = static_cu.tolist()
+    assert len(bounds) == runtime.segment_slots(1, 256) + 1 and bounds[:13] == windows.tolist() and bounds[-1] == 256
+    assert bounds[13:16] == [100 + PADDING_SEGMENT_ROWS, 100 + 2 * PADDING_SEGMENT_ROWS, 256]  # padding: linear pieces
+    assert all(b >= a for a, b in zip(bounds, bounds[1:])) and torch.equal(out, x)
+    # Few rows in many short windows: the smallest bucket's table is too small, a larger bucket holds them.
+    tiny_windows = torch.arange(0, 64, 4, dtype=torch.int32).tolist() + [62]
+    small = torch.tensor(sorted(set(tiny_windows)), dtype=torch.int32)
+    rows = torch.randn(62, 3)
+    assert small.numel() - 1 > runtime.segment_slots(1, 64) - 1
+    assert runtime.choose([rows, small]) == 256
+    (out,) = runtime.run([rows, small], 256)
+    assert torch.equal(out, rows) and recorder.args[1].tolist()[:small.numel()] == small.tolist()
+
+
 def test_bucket_ladder_and_option_validation():
     assert KimiCGConfig().buckets() == (1024, 1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096, 5120, 5888, 6912,
                                         8192, 9984, 11776, 13824, 16384)

@@ -20,11 +20,16 @@ from hypothesis import strategies as st  # noqa: E402
 from kimi_cg.kernels.varlen_attention import (  # noqa: E402
     BLOCK_M,
     plan_work_list,
+    plan_work_list_on_device,
     work_list_attention,
     work_list_capacity,
     work_list_rows,
 )
-from kimi_cg.ops.varlen_attention import varlen_attention_reference  # noqa: E402
+from kimi_cg.ops.varlen_attention import (  # noqa: E402
+    prefers_work_list,
+    varlen_attention_reference,
+    varlen_attention_work_list,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -79,6 +84,38 @@ def test_capacity_bounds_every_call_of_a_bucket(lengths, spare, block_m):
     work = plan_work_list(padded, block_m=block_m, padding_from=bounds[-1],
                           entries=work_list_capacity(capacity_rows, len(lengths), block_m))
     assert torch.equal(work_list_rows(work), torch.ones(capacity_rows, dtype=torch.int64))
+
+
+@settings(max_examples=80, deadline=None)
+@given(lengths=st.lists(st.integers(0, 300), min_size=0, max_size=40), spare=st.integers(0, 40),
+       block_m=st.sampled_from([16, 64, 128]))
+def test_plan_on_the_device_equals_the_host_plan(lengths, spare, block_m):
+    """The planner a CUDA graph captures (tensor ops of fixed shapes) plans what the host planner does,
+    entry for entry, no-op entries included."""
+    bounds = bounds_of(lengths)
+    entries = work_list_capacity(bounds[-1], max(len(lengths), 1), block_m) + spare
+    want = plan_work_list(bounds, block_m=block_m, entries=entries)
+    got = plan_work_list_on_device(torch.tensor(bounds, dtype=torch.int32, device=DEVICE), entries, block_m)
+    assert got.dtype == torch.int32 and torch.equal(got.cpu(), want)
+
+
+def test_many_windows_in_a_padded_table_match_per_segment_sdpa():
+    """What a replay of a dense segment table runs (NOTE [segment tables], NOTE [work list or flash]):
+    windows of 4 to 64 rows, padding rows in 64-row segments of their own, empty segments at the end;
+    NaN in the padding never reaches a window."""
+    lengths = [64, 16, 4, 64, 64, 16, 36, 4, 64] * 2  # 664 rows in 18 windows
+    bounds = bounds_of(lengths)
+    capacity = 1024
+    padding = [min(bounds[-1] + 64 * j, capacity) for j in range(1, 12)] + [capacity] * 40
+    table = torch.tensor(bounds + padding, dtype=torch.int32)
+    assert prefers_work_list(capacity, table.numel() - 1) and not prefers_work_list(capacity, 33)
+    q, k, v = packed(capacity, 2, 72, torch.float32, seed=3)
+    for tensor in (q, k, v):
+        tensor[bounds[-1]:] = float("nan")
+    got = varlen_attention_work_list(q, k, v, table.to(DEVICE), scale=0.25)
+    real = bounds[-1]
+    want = varlen_attention_reference(q[:real], k[:real], v[:real], torch.tensor(bounds), scale=0.25)
+    torch.testing.assert_close(got[:real], want, rtol=2e-5, atol=2e-5)
 
 
 # fp32: the kernel and SDPA both accumulate in float32 in different orders. Low precision: the kernel

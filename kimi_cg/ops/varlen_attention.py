@@ -8,8 +8,9 @@
 
 Implementations, chosen by the device of ``q``:
 - CPU: scaled-dot-product attention per segment (the reference semantics).
-- CUDA: flash-attn's ``flash_attn_varlen_func`` when that package imports, else
-  ``torch.nn.attention.varlen.varlen_attn`` (torch's built-in flash kernel).
+- CUDA: many short segments (window attention, a bucket's dense segment table) run kimi_cg's
+  work-list kernel (NOTE [work list or flash]); the rest flash-attn's ``flash_attn_varlen_func`` when
+  that package imports, else ``torch.nn.attention.varlen.varlen_attn`` (torch's built-in flash kernel).
 - Meta/fake: an empty tensor shaped like ``q``, so dynamo and Inductor can trace calls.
 
 The op is opaque to Inductor (it schedules around it) and capturable in a CUDA graph as long as
@@ -89,6 +90,41 @@ def varlen_attention_masked(
     return out.transpose(0, 1)
 
 
+# NOTE [work list or flash]
+# Flash kernels launch (segments x max_seqlen / 128) query blocks; in a CUDA-graph bucket max_seqlen
+# is the bucket's capacity, so a table of hundreds of windows launches hundreds of thousands of empty
+# blocks. The work-list kernel (kernels/varlen_attention.py) launches one block per 64 rows of each
+# segment, planned on the device from the boundaries (no host read, so it is captured and replayed
+# with the boundaries a replay holds). On the H200 it ran Qwen2.5-VL's windows 5.8x faster than flash
+# on the bucket and a little faster than flash on exact segments, but whole images (a few long
+# segments) 1.5x slower than flash on the bucket (docs/benchmarks.md, 2026-12-01). So the choice is
+# made from shapes alone (the same for every replay of a bucket): many segments of few rows on
+# average take the work list, the rest flash. A bucket's item table (max_items + 1 = 33 segments by
+# default) stays on flash; a dense table (NOTE [segment tables] in kimi_cg/runtime/graphs.py: a
+# segment per 16 rows) takes the work list from buckets of 512 rows up.
+WORK_LIST_MIN_SEGMENTS = 64
+WORK_LIST_MAX_MEAN_ROWS = 32
+
+
+def prefers_work_list(rows: int, segments: int) -> bool:
+    """NOTE [work list or flash]: whether ``segments`` boundaries over ``rows`` rows run the work list."""
+    return segments >= WORK_LIST_MIN_SEGMENTS and rows <= WORK_LIST_MAX_MEAN_ROWS * segments
+
+
+def varlen_attention_work_list(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
+    """Varlen attention through the work-list kernel, planned on ``q``'s device from ``cu_seqlens``
+    (Triton; on CPU tensors only under TRITON_INTERPRET=1). ``cu_seqlens[-1]`` must be L."""
+    from kimi_cg.kernels.varlen_attention import plan_work_list_on_device, work_list_attention, work_list_capacity
+
+    check_varlen_inputs(q, k, v, cu_seqlens)
+    segments = cu_seqlens.numel() - 1
+    work = plan_work_list_on_device(cu_seqlens.to(q.device), work_list_capacity(q.shape[0], segments))
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    return work_list_attention(q, k, v, work, scale)
+
+
 @functools.lru_cache(maxsize=1)
 def _torch_varlen_takes_scale() -> bool:
     """Whether this torch's ``varlen_attn`` has a ``scale`` argument (later versions do)."""
@@ -104,6 +140,8 @@ def varlen_attention(
 ) -> torch.Tensor:
     if q.device.type != "cuda":
         return varlen_attention_reference(q, k, v, cu_seqlens, scale)
+    if prefers_work_list(q.shape[0], cu_seqlens.numel() - 1):  # NOTE [work list or flash]
+        return varlen_attention_work_list(q, k, v, cu_seqlens, scale)
     if q.dtype not in (torch.float16, torch.bfloat16):
         # Flash kernels take fp16/bf16 only; fp32 on CUDA runs masked SDPA (capturable).
         return varlen_attention_masked(q, k, v, cu_seqlens, scale)

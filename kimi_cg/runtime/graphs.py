@@ -6,10 +6,9 @@ its inputs in and pads:
 - activation rows and row-aligned host metadata (position embeddings, RoPE factors): rows L..C-1
   are zero;
 - ``cu_seqlens`` (the segment boundaries of any registered varlen attention, kimi_cg/varlen_registry.py):
-  the real boundaries, then one trailing segment
-  [L, C) that covers the padding rows, then empty segments up to the static length. Every row of
-  the bucket is therefore attended and finite, even when the graph pool holds stale NaNs from
-  earlier work: padded rows never read uninitialised memory;
+  the real boundaries, then segments of padding rows only, up to the static length (NOTE [segment
+  tables]). Every row of the bucket is therefore attended and finite, even when the graph pool
+  holds stale NaNs from earlier work: padded rows never read uninitialised memory;
 - ``max_seqlen`` is C (the canonicalised program already uses the packed length);
 - gather plans (index [R, K], weight [R, K]): rows R..C-1 and frames K..max_frames-1 get index -1
   (no contribution: the gather writes zeros and reads nothing), weight 0;
@@ -19,6 +18,18 @@ its inputs in and pads:
   C / k. k is the call's L / n, the same for every such index, and C must be a multiple of it.
 After the replay each output is sliced to the size the unpadded call would have (from the device
 program's symbolic output shapes) and cloned, so a later call never changes an earlier result.
+
+NOTE [segment tables]
+A bucket's boundary buffer has room for a fixed number of segments. Most towers attend per item
+(per frame at most): ``max_items`` segments plus one for the padding. Window attention (Qwen2.5-VL:
+8 x 8-patch windows, hundreds per call at real sizes) has many more: the first call with more
+segments than that makes the input's table dense, ``max_items + 1 + C // ROWS_PER_DENSE_SEGMENT``
+segments in a bucket of C rows (the buckets made so far are dropped and made again, once), and a
+call picks the smallest bucket whose rows and tables hold it. The padding rows [L, C) are cut into
+segments of PADDING_SEGMENT_ROWS rows while the table has room, the rest in the last one: attention
+over padding is then linear in C - L, not quadratic, and the work-list kernel that runs tables with
+many segments (NOTE [work list or flash] in kimi_cg/ops/varlen_attention.py) launches one block per
+padding segment. Padding rows still only attend to padding rows.
 
 All buckets share one graph memory pool and are captured largest first (smaller graphs reuse the
 largest one's blocks). Without CUDA the same padded path runs without capture (CPU tests cover
@@ -47,6 +58,11 @@ from kimi_cg.varlen_registry import argument, registered_bounds, registered_segm
 logger = logging.getLogger(__name__)
 
 _MERGE_GATHER = torch.ops.kimi_cg.merge_gather
+# NOTE [segment tables]: a dense table holds a segment per this many rows of its bucket (window
+# attention's edge windows are smaller; a call of such windows picks a larger bucket); padding rows
+# go in segments of this many rows (the work-list kernel's query block).
+ROWS_PER_DENSE_SEGMENT = 16
+PADDING_SEGMENT_ROWS = 64
 _MERGE_GATHER_LAYERNORM = torch.ops.kimi_cg.merge_gather_layernorm
 
 
@@ -279,6 +295,7 @@ class _Bucket:
         self.inputs: list = []
         self.outputs: tuple = ()
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.padding_steps: torch.Tensor | None = None  # PADDING_SEGMENT_ROWS * (1, 2, ...): NOTE [segment tables]
 
 
 def _indexes_leading_dim(index, node) -> bool:
@@ -305,6 +322,7 @@ class BucketedGraphs:
         self.never_padded = not self.row_positions or any(rule.kind == "unpadded" for rule in rules)
         self.capacities = buckets
         self.max_segments = max_items + 1  # real segments plus the trailing padding segment
+        self.dense_tables: set[int] = set()  # positions of boundary inputs with dense tables (NOTE [segment tables])
         self.max_frames = max_frames
         self.capture = capture
         self.on_cuda = capture  # capture is asked for exactly when the activations are on CUDA
@@ -380,12 +398,13 @@ class BucketedGraphs:
             return None
         rows = self._patches(inputs)
         needed = rows
+        tables = []  # (position, boundaries): each must fit its bucket's table
         for i, rule in self.padded:
             value = inputs[i]
             if rule.kind == "fixed" and tuple(value.shape) != rule.shape:
                 return None
-            if rule.kind == "cu_seqlens" and value.shape[0] > self.max_segments:
-                return None
+            if rule.kind == "cu_seqlens":
+                tables.append((i, value.shape[0]))
             if rule.kind == "cu_seqlens" and value.device.type == "cpu" and value.numel() and int(value[-1]) != rows:
                 return None  # boundaries that do not end at the rows: the trailing segment [L, C) would not be the padding's
             if rule.kind in ("plan_index", "plan_weight"):
@@ -400,11 +419,39 @@ class BucketedGraphs:
                 return None  # a size that is not the row count (a standalone argument): set to C it would lie
             if rule.kind == "index_size" and value * self.group != rows:
                 return None
-        if self.group_index_positions:
-            if not self._index_in_range(inputs):
-                return None
-            return next((c for c in self.capacities if c >= needed and c % self.group == 0), None)
-        return next((c for c in self.capacities if c >= needed), None)
+        if self.group_index_positions and not self._index_in_range(inputs):
+            return None
+        return next((c for c in self.capacities if c >= needed and (not self.group_index_positions or c % self.group == 0)
+                     and all(bounds <= self.segment_slots(i, c) for i, bounds in tables)), None)
+
+    def segment_slots(self, position: int, capacity: int) -> int:
+        """Segments (real and padding) the boundary input at ``position`` holds in a bucket of
+        ``capacity`` rows: NOTE [segment tables]. Its static buffer has one entry more."""
+        if position in self.dense_tables:
+            return self.max_segments + capacity // ROWS_PER_DENSE_SEGMENT
+        return self.max_segments
+
+    def make_tables_dense(self, inputs) -> bool:
+        """NOTE [segment tables]: boundary inputs of this call with more segments than their tables
+        hold in the largest bucket get dense tables (buckets made with the old ones are dropped and
+        captured again at the next call that fits one). True when a table changed (choose again).
+        The runner asks only after a split (whole items in several replays) did not apply."""
+        if not self.capacities or self.never_padded or self.hazard is not None:
+            return False
+        largest = max(self.capacities)
+        new = [i for i, rule in self.padded if rule.kind == "cu_seqlens" and i not in self.dense_tables
+               and inputs[i].shape[0] > self.segment_slots(i, largest)]
+        if not new:
+            return False
+        with self.lock:  # NOTE [concurrent calls]: a replay in flight keeps its bucket object
+            self.dense_tables.update(new)
+            if self.buckets:
+                self.buckets = {}
+                self.graph_bytes = 0
+            counters["segment_tables_made_dense"] += 1
+        logger.info("kimi_cg: boundary inputs %s get a segment table per %d rows (NOTE [segment tables])",
+                    new, ROWS_PER_DENSE_SEGMENT)
+        return True
 
     def split(self, inputs, sort: bool = True) -> "SplitPlan | None":
         """NOTE [splitting]: a call too large for the largest bucket (or with too many items) becomes
@@ -523,7 +570,7 @@ class BucketedGraphs:
         # pageable host memory during capture, and _fill does that copy before each replay.
         device = self._device(inputs)
         static = []
-        for rule, value in zip(self.rules, inputs):
+        for position, (rule, value) in enumerate(zip(self.rules, inputs)):
             if rule.kind == "static":
                 static.append(None)  # the call's own weights (a capture reads them at their address)
             elif rule.kind == "size":
@@ -537,7 +584,7 @@ class BucketedGraphs:
             elif rule.kind == "fixed":
                 static.append(torch.zeros(rule.shape, dtype=value.dtype, device=device))
             elif rule.kind == "cu_seqlens":
-                buffer = torch.full((self.max_segments + 1,), capacity, dtype=torch.int32, device=device)
+                buffer = torch.full((self.segment_slots(position, capacity) + 1,), capacity, dtype=torch.int32, device=device)
                 buffer[0] = 0
                 static.append(buffer)
             elif rule.kind == "plan_index":
@@ -566,7 +613,11 @@ class BucketedGraphs:
             elif rule.kind == "cu_seqlens":
                 count = value.shape[0]
                 static[:count].copy_(value, non_blocking=True)
-                static[count:].fill_(capacity)  # trailing segment [L, C), then empty segments
+                padding = static[count:]
+                if padding.numel():  # NOTE [segment tables]: [L, C) in pieces of PADDING_SEGMENT_ROWS, the rest last
+                    torch.add(bucket.padding_steps[:padding.numel()], self._patches(inputs), out=padding)
+                    padding.clamp_(max=capacity)
+                    padding[-1:].fill_(capacity)
             elif rule.kind in ("plan_index", "plan_weight"):
                 rows, frames = value.shape
                 static[:rows, :frames].copy_(value, non_blocking=True)
@@ -587,6 +638,8 @@ class BucketedGraphs:
                 bucket = _Bucket(capacity)
                 try:
                     bucket.inputs = self._allocate(capacity, inputs)
+                    slots = max((self.segment_slots(i, capacity) for i, rule in self.padded if rule.kind == "cu_seqlens"), default=0)
+                    bucket.padding_steps = torch.arange(1, slots + 1, dtype=torch.int32, device=self._device(inputs)) * PADDING_SEGMENT_ROWS
                     if self.capture:
                         self._capture(bucket, inputs)
                 except torch.OutOfMemoryError as error:

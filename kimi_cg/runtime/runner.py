@@ -183,27 +183,37 @@ class LiftedRunner:
             # Looked up per call: dynamo shares one compiled graph between instances of a module
             # class (weights are inputs), while captured graphs belong to one set of weights.
             self.graphs = graphs = self.graphs_for(device_args)  # self.graphs: the latest, for reports only
-            capacity = graphs.choose(device_args)
-            if capacity is not None:
-                result = graphs.run(device_args, capacity)
-                if result is None:  # that bucket was dropped for memory: choose among the rest
-                    capacity = graphs.choose(device_args)
-                    result = graphs.run(device_args, capacity) if capacity is not None else None
-                if result is not None:
-                    if record is not None:
-                        rows = graphs.patch_rows(device_args)
-                        record.update(path="replay", bucket=capacity, rows=rows, padding=capacity - rows)
-                        self._report_graphs(graphs)
-                    return result
+            result = self._replay(graphs, device_args, record)
+            if result is not None:
+                return result
             split = self._run_split(graphs, device_args, record)
             if split is not None:
                 return split
+            if graphs.make_tables_dense(device_args):  # NOTE [segment tables] in runtime/graphs.py
+                result = self._replay(graphs, device_args, record)
+                if result is not None:
+                    return result
             counters["eager_fallbacks"] += 1
             _note(record, path="plain program", reason="padding could reach real rows" if graphs.hazard else "no bucket fits", rows=graphs.patch_rows(device_args) if record is not None else None)
             logger.debug("kimi_cg: call does not fit a bucket; running the non-graphed device program")
         else:
             _note(record, path="plain program", reason="CUDA graphs off")
         return self.device(*device_args)
+
+    def _replay(self, graphs, device_args, record=None):
+        """The call replayed in the smallest bucket that holds it, or None."""
+        capacity = graphs.choose(device_args)
+        if capacity is None:
+            return None
+        result = graphs.run(device_args, capacity)
+        if result is None:  # that bucket was dropped for memory: choose among the rest
+            capacity = graphs.choose(device_args)
+            result = graphs.run(device_args, capacity) if capacity is not None else None
+        if result is not None and record is not None:
+            rows = graphs.patch_rows(device_args)
+            record.update(path="replay", bucket=capacity, rows=rows, padding=capacity - rows)
+            self._report_graphs(graphs)
+        return result
 
     def _report_graphs(self, graphs) -> None:
         """The dump's index entry learns this graph's buckets, how many were captured, and the graph
