@@ -62,18 +62,21 @@ def test_results_do_not_alias_static_buffers():
         assert torch.equal(a, b)
 
 
+class _Recorder:
+    """A stand-in device program for BucketedGraphs: keeps the padded arguments it was called with."""
+
+    def __call__(self, *args):
+        self.args = args
+        return (args[0] * 1.0,)
+
+    def output_rows(self, args):
+        return [args[0].shape[0]]
+
+
 def test_padded_rows_are_zero_and_cu_seqlens_gets_a_trailing_segment():
     from kimi_cg.runtime.graphs import BucketedGraphs, InputRule
 
-    class Recorder:
-        def __call__(self, *args):
-            self.args = args
-            return (args[0] * 1.0,)
-
-        def output_rows(self, args):
-            return [args[0].shape[0]]
-
-    recorder = Recorder()
+    recorder = _Recorder()
     rules = [InputRule("rows"), InputRule("size"), InputRule("cu_seqlens"), InputRule("plan_index"), InputRule("plan_weight")]
     runtime = BucketedGraphs(recorder, rules, buckets=(8, 16), max_items=3, max_frames=2, capture=False)
     x = torch.randn(5, 3)
@@ -102,15 +105,7 @@ def test_many_segments_get_a_dense_table_and_padding_in_short_segments():
     get segments of their own, PADDING_SEGMENT_ROWS long while the table has room."""
     from kimi_cg.runtime.graphs import PADDING_SEGMENT_ROWS, ROWS_PER_DENSE_SEGMENT, BucketedGraphs, InputRule
 
-    class Recorder:
-        def __call__(self, *args):
-            self.args = args
-            return (args[0] * 1.0,)
-
-        def output_rows(self, args):
-            return [args[0].shape[0]]
-
-    recorder = Recorder()
+    recorder = _Recorder()
     runtime = BucketedGraphs(recorder, [InputRule("rows"), InputRule("cu_seqlens")], buckets=(64, 256, 512), max_items=3,
                              max_frames=2, capture=False)
     windows = torch.tensor([0, 4, 20, 36, 40, 56, 60, 64, 80, 84, 90, 94, 100], dtype=torch.int32)  # 12 windows
