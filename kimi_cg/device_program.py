@@ -184,7 +184,19 @@ class DeviceProgram:
             if run is None:  # NOTE [hints of a symbolic run]: a run at these sizes
                 if self._row_runs:
                     counters["device_program_respecializations"] += 1
-                run = _output_row_expressions(self.gm, inputs, self.host_inputs)
+                try:
+                    run = _output_row_expressions(self.gm, inputs, self.host_inputs)
+                except Exception as error:  # noqa: BLE001 - see below
+                    # A graph with literal sizes (dynamo's static first trace) need not run with symbolic
+                    # ones: on the H200 (torch 2.11), Qwen2.5-VL's static block graph failed its literal
+                    # reshape [3740, 3, 16, -1] on 3840*s rows, and each call fell back. Its rows at this
+                    # call's own sizes are all it needs: a fake run at those sizes, kept for them only.
+                    logger.debug("kimi_cg: symbolic run of %s failed (%s); rows at this call's sizes", self.key, error)
+                    counters["device_program_concrete_row_runs"] += 1
+                    rows = _concrete_output_rows(self.gm, inputs)
+                    if len(self.output_rows_by_shape) < 4096:
+                        self.output_rows_by_shape[signature] = rows
+                    return rows
                 if len(self._row_runs) < 64:
                     self._row_runs.append(run)
             rows = run.rows(self._size_positions, signature)
@@ -383,6 +395,17 @@ def _output_row_expressions(gm: torch.fx.GraphModule, inputs, host_inputs: froze
         else:
             expressions.append(None)
     return SymbolicRows(expressions, ShapeAssumptions(shape_env, symbols))
+
+
+def _concrete_output_rows(gm: torch.fx.GraphModule, inputs) -> list[int | None]:
+    """Each output's leading size for exactly these inputs (a fake run at their own sizes)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    fakes = [fake_mode.from_tensor(value) if isinstance(value, torch.Tensor) else value for value in inputs]
+    with fake_mode:
+        outputs = gm(*fakes)
+    return [int(output.shape[0]) if isinstance(output, torch.Tensor) and output.dim() else None for output in outputs]
 
 
 def get_device_program(gm: torch.fx.GraphModule, compiler: str, host_inputs: frozenset[int] = frozenset()) -> DeviceProgram:
