@@ -131,6 +131,24 @@ def test_many_segments_get_a_dense_table_and_padding_in_short_segments():
     assert torch.equal(out, rows) and recorder.args[1].tolist()[:small.numel()] == small.tolist()
 
 
+def test_a_static_first_trace_is_never_split_and_takes_a_dense_table():
+    """dynamo's static first trace (exact_rows: one bucket, its row count) has literal sizes: splitting
+    its call into parts of fewer rows ran its program at sizes it cannot take (Qwen2.5-VL's static block
+    graph on the H200: its 40-odd windows read as items, every call fell back)."""
+    from kimi_cg.runtime.graphs import BucketedGraphs, InputRule
+
+    recorder = _Recorder()
+    runtime = BucketedGraphs(recorder, [InputRule("rows"), InputRule("cu_seqlens")], buckets=(100,), max_items=3,
+                             max_frames=2, capture=False, exact_rows=True)
+    windows = torch.tensor([0, 4, 20, 36, 40, 56, 60, 64, 80, 84, 90, 94, 100], dtype=torch.int32)
+    x = torch.randn(100, 3)
+    assert runtime.split([x, windows]) is None
+    assert runtime.choose([x, windows]) is None and runtime.make_tables_dense([x, windows])
+    assert runtime.choose([x, windows]) == 100
+    (out,) = runtime.run([x, windows], 100)
+    assert torch.equal(out, x) and recorder.args[1].tolist()[:13] == windows.tolist()
+
+
 def test_bucket_ladder_and_option_validation():
     assert KimiCGConfig().buckets() == (1024, 1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096, 5120, 5888, 6912,
                                         8192, 9984, 11776, 13824, 16384)

@@ -24,7 +24,8 @@ A bucket's boundary buffer has room for a fixed number of segments. Most towers 
 (per frame at most): ``max_items`` segments plus one for the padding. Window attention (Qwen2.5-VL:
 8 x 8-patch windows, hundreds per call at real sizes) has many more: the first call with more
 segments than that makes the input's table dense, ``max_items + 1 + C // ROWS_PER_DENSE_SEGMENT``
-segments in a bucket of C rows (the buckets made so far are dropped and made again, once), and a
+segments in a bucket of C rows (+ C in dynamo's static first trace, whose one bucket is its call's rows;
+the buckets made so far are dropped and made again, once), and a
 call picks the smallest bucket whose rows and tables hold it. The padding rows [L, C) are cut into
 segments of PADDING_SEGMENT_ROWS rows while the table has room, the rest in the last one: attention
 over padding is then linear in C - L, not quadratic, and the work-list kernel that runs tables with
@@ -332,6 +333,7 @@ class BucketedGraphs:
         # exact_rows: dynamo's static first trace, whose one bucket is its exact row count (nothing padded).
         self.hazard: str | None = None
         self._hazard_checked = exact_rows
+        self.exact_rows = exact_rows  # its program runs at its traced sizes only: never split (NOTE [splitting])
         self.buckets: dict[int, _Bucket] = {}
         self.pool = None
         self.graph_bytes = 0
@@ -428,7 +430,8 @@ class BucketedGraphs:
         """Segments (real and padding) the boundary input at ``position`` holds in a bucket of
         ``capacity`` rows: NOTE [segment tables]. Its static buffer has one entry more."""
         if position in self.dense_tables:
-            return self.max_segments + capacity // ROWS_PER_DENSE_SEGMENT
+            # dynamo's static first trace pads nothing and has one bucket: room for any segmentation of it
+            return self.max_segments + (capacity if self.exact_rows else capacity // ROWS_PER_DENSE_SEGMENT)
         return self.max_segments
 
     def make_tables_dense(self, inputs) -> bool:
@@ -465,6 +468,11 @@ class BucketedGraphs:
         device program's own output sizes for a call of that item alone (LiftedRunner._rows_per_item),
         never a ratio: a video chunk's merged rows follow its gather-plan rows (h * w / 4, frames
         averaged), not its patch rows (t * h * w), and both ratios can be whole numbers."""
+        if self.exact_rows:
+            # dynamo's static first trace has literal sizes (a reshape to [3740, 3, 16, -1]): a part of
+            # fewer rows fails it. On the H200, Qwen2.5-VL's static block graph split its window
+            # boundaries as if they were items, and every call of it fell back (28 per first forward).
+            return None
         cu_positions = [i for i, r in enumerate(self.rules) if r.kind == "cu_seqlens"]
         # A fixed-shape input is the whole call's (a table, the grid): not cut per item, so no split.
         if not cu_positions or self.never_padded or any(r.kind in ("fixed", "row_index") for r in self.rules) or (
