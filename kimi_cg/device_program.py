@@ -188,9 +188,10 @@ class DeviceProgram:
                     run = _output_row_expressions(self.gm, inputs, self.host_inputs)
                 except Exception as error:  # noqa: BLE001 - see below
                     # A graph with literal sizes (dynamo's static first trace) need not run with symbolic
-                    # ones: on the H200 (torch 2.11), Qwen2.5-VL's static block graph failed its literal
-                    # reshape [3740, 3, 16, -1] on 3840*s rows, and each call fell back. Its rows at this
-                    # call's own sizes are all it needs: a fake run at those sizes, kept for them only.
+                    # ones (on the H200, torch 2.11, Qwen2.5-VL's static block graph failed its literal
+                    # reshape [3740, 3, 16, -1] on 3840*s rows when split parts asked for their rows; the
+                    # split itself was the cause, BucketedGraphs.split). The rows at this call's own sizes
+                    # are all a call needs: a fake run at those sizes, kept for them only.
                     logger.debug("kimi_cg: symbolic run of %s failed (%s); rows at this call's sizes", self.key, error)
                     counters["device_program_concrete_row_runs"] += 1
                     rows = _concrete_output_rows(self.gm, inputs)

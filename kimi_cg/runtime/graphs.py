@@ -59,12 +59,12 @@ from kimi_cg.varlen_registry import argument, registered_bounds, registered_segm
 logger = logging.getLogger(__name__)
 
 _MERGE_GATHER = torch.ops.kimi_cg.merge_gather
+_MERGE_GATHER_LAYERNORM = torch.ops.kimi_cg.merge_gather_layernorm
 # NOTE [segment tables]: a dense table holds a segment per this many rows of its bucket (window
 # attention's edge windows are smaller; a call of such windows picks a larger bucket); padding rows
 # go in segments of this many rows (the work-list kernel's query block).
 ROWS_PER_DENSE_SEGMENT = 16
 PADDING_SEGMENT_ROWS = 64
-_MERGE_GATHER_LAYERNORM = torch.ops.kimi_cg.merge_gather_layernorm
 
 
 def _packet(target):
@@ -448,9 +448,7 @@ class BucketedGraphs:
             return False
         with self.lock:  # NOTE [concurrent calls]: a replay in flight keeps its bucket object
             self.dense_tables.update(new)
-            if self.buckets:
-                self.buckets = {}
-                self.graph_bytes = 0
+            self.buckets, self.graph_bytes = {}, 0
             counters["segment_tables_made_dense"] += 1
         logger.info("kimi_cg: boundary inputs %s get a segment table per %d rows (NOTE [segment tables])",
                     new, ROWS_PER_DENSE_SEGMENT)
