@@ -57,6 +57,25 @@ If the stack lookup of step 2 ever fails (a torch release that renames ``_compil
 frames trace with dynamo's defaults: correct, with graph breaks; ``kimi_cg.counters["graph_breaks"]``
 and a warning say so.
 
+NOTE [dynamic first trace]
+Dynamo's first trace of a frame has static shapes: left alone, the first image size a process sees
+gets a program of its own with literal sizes (an eager device program, one CUDA graph of exactly its
+rows: slower than the shared Inductor program), and the second size traces the frame again with the
+rows symbolic. A later trace (a new item count, the RoPE table built at the first call) whose call
+happens to have the rows of the first is static again. So whenever dynamo traces a kimi_cg frame
+the start callback marks with ``maybe_mark_dynamic`` the leading dim of the frame's packed rows:
+among its tensor arguments (also inside ``*args`` / ``**kwargs`` and the tuples in them; not
+parameters) the float tensors whose leading size is the largest of the float ones (hidden states,
+rotary tables per row), and the integer ones (grid-made: cu_seqlens, a window permutation, the grid).
+That is what automatic dynamic would mark once the rows changed, from the first trace on. A smaller
+float tensor (a position table a resumed piece receives) keeps its static shape and its "fixed"
+padding rule. "Maybe": a dim the code fixes (``grid.tolist()`` fixes the item count) is specialised
+with a guard, no error; sizes 0 and 1 stay specialised. The marks are removed when the trace ends
+(dynamo guards on them: left on the caller's tensors they would fail another compile's guards); the
+caller's own marks are kept. ``torch.compile(dynamic=False)`` gets no marks. Counted in
+``counters["traces_with_dynamic_rows"]``. The exact-size path (``exact_rows``) stays for a trace
+whose rows still came out static.
+
 NOTE [list vs torch.Size]: dynamo before torch 2.13 compares ``[h, w] == weight.shape[:-1]``
 (upstream MoonViT's position-embedding check, always False in Python) element by element, so with
 unbacked h, w it guards on ``h != 64`` and graph-breaks. ``install()`` makes its polyfill
@@ -69,6 +88,7 @@ takes another path in kimi_cg frames.
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import operator
 import sys
@@ -174,6 +194,7 @@ def _on_compile_start(_args) -> None:
     patch = torch._dynamo.config.patch(**(SCALAR_SETTINGS if code is not None and code in _traced_with_scalars else DYNAMO_SETTINGS))
     patch.__enter__()
     _state.patch, _state.code, _state.error_at_start = patch, code, sys.exc_info()[1]
+    _state.marked = _mark_leading_dims_dynamic(code, local_vars.get("locals"))
     _state.flash_path_taken = False
     from kimi_cg import attention_substitutes
 
@@ -186,6 +207,7 @@ def _on_compile_end(_args) -> None:
         return
     _state.patch = None
     patch.__exit__(None, None, None)
+    _unmark(_state.marked)
     error = sys.exc_info()[1]  # the compile's own error, when it is propagating (the callback runs in a finally)
     code = _state.code
     if error is None or error is _state.error_at_start:
@@ -233,6 +255,50 @@ def _on_compile_end(_args) -> None:
         record_fallback("dynamo failed to trace this call", where, summary, "this call runs the frame eagerly")
     _suppress_errors_once()
     _trace_again_next_call(error, code)
+
+
+def _mark_leading_dims_dynamic(code, frame_locals) -> list:
+    """NOTE [dynamic first trace]: marks the leading dim of the packed rows among a frame's tensor
+    arguments maybe-dynamic. Returns [(tensor, its marks before)] for ``_unmark``."""
+    if code is None or not isinstance(frame_locals, dict):
+        return []
+    if not torch._dynamo.config.automatic_dynamic_shapes or torch._dynamo.config.assume_static_by_default is False:
+        return []  # torch.compile(dynamic=False) asked for static shapes; dynamic=True needs no marks
+    names = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount
+                             + bool(code.co_flags & inspect.CO_VARARGS) + bool(code.co_flags & inspect.CO_VARKEYWORDS)]
+    values = [frame_locals.get(name) for name in names]
+    for _ in range(2):  # *args, **kwargs, and the tuples in them (position_embeddings=(cos, sin))
+        values = [part for value in values for part in (
+            value if isinstance(value, (tuple, list)) else value.values() if isinstance(value, dict) else (value,))]
+    # Parameters are module state; sizes 0 and 1 are specialised whatever the marks say.
+    tensors = [v for v in values if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) and v.dim() >= 1]
+    rows = max((t.shape[0] for t in tensors if t.is_floating_point()), default=0)
+    marked = []
+    for value in tensors:
+        # Float tensors: only the packed rows (the largest leading size); a smaller float table passed in
+        # (a resumed piece's position table) keeps its static shape and its "fixed" rule (NOTE [padding
+        # rules]). Integer tensors are grid-made (a window permutation, cu_seqlens, the grid itself).
+        if ((value.shape[0] == rows if value.is_floating_point() else True) and value.shape[0] >= 2
+                and not any(value is tensor for tensor, _ in marked)):
+            marked.append((value, {name: set(getattr(value, name)) if name == _WEAK else getattr(value, name)
+                                   for name in _MARKS if hasattr(value, name)}))
+            torch._dynamo.maybe_mark_dynamic(value, 0)
+    if marked:
+        counters["traces_with_dynamic_rows"] += 1
+    return marked
+
+
+_WEAK = "_dynamo_weak_dynamic_indices"
+_MARKS = (_WEAK, "_has_dynamo_dim_marking")  # what maybe_mark_dynamic sets; dynamo guards on both
+
+
+def _unmark(marked: list) -> None:
+    for tensor, previous in marked:
+        for name in _MARKS:
+            if name in previous:
+                setattr(tensor, name, previous[name])
+            elif hasattr(tensor, name):
+                delattr(tensor, name)
 
 
 def _trace_again_next_call(error: BaseException, code) -> None:

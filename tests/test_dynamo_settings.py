@@ -114,8 +114,47 @@ def test_a_tower_first_called_from_a_worker_thread_is_lifted():
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert kimi_cg.counters["graph_breaks"] == 0
-    assert kimi_cg.counters["dynamo_graphs"] <= 3  # static first trace, dynamic trace, RoPE-table retrace (N + 2)
+    assert kimi_cg.counters["dynamo_graphs"] <= 2  # the first trace (dynamic in the rows), the RoPE-table retrace
     assert kimi_cg.counters["lift_fallbacks"] == 0
+
+
+def _marks(tensor):
+    return {name: getattr(tensor, name) for name in ("_dynamo_weak_dynamic_indices", "_has_dynamo_dim_marking",
+                                                     "_dynamo_dynamic_indices") if hasattr(tensor, name)}
+
+
+def test_the_first_trace_is_dynamic_in_the_rows_and_its_marks_do_not_stay():
+    """NOTE [dynamic first trace]: the first image size gets the shared program (no static first-shape
+    program), and the caller's tensors carry no dynamo marks afterwards (dynamo guards on them)."""
+    tower = _tiny_tower()
+    compiled = torch.compile(tower, backend="kimi_cg")
+    for grid in ([[4, 6]], [[6, 6]], [[2, 8]], [[8, 8]]):
+        pixels, grid_tensor = _inputs(grid)
+        for got, want in zip(compiled(pixels, grid_tensor), tower(pixels, grid_tensor)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert _marks(pixels) == {} and _marks(grid_tensor) == {}
+    assert kimi_cg.counters["traces_with_dynamic_rows"] == kimi_cg.counters["dynamo_graphs"]
+    assert kimi_cg.counters["device_programs_compiled"] == 1  # before: a static program for [[4, 6]], then one more
+    assert kimi_cg.counters["dynamo_graphs"] == 2  # the first trace and the RoPE-table retrace: no trace per size
+    # The same tensors in another compile: no guard failure from marks left behind.
+    assert torch.compile(lambda x: x * 2, backend="eager")(pixels).shape == pixels.shape
+
+
+def test_marks_the_caller_made_are_kept_and_dynamic_false_gets_none():
+    tower = _tiny_tower()
+    pixels, grid = _inputs([[4, 6]])
+    torch._dynamo.mark_dynamic(pixels, 0)
+    before = _marks(pixels)
+    torch.compile(tower, backend="kimi_cg")(pixels, grid)
+    assert _marks(pixels) == before and kimi_cg.counters["traces_with_dynamic_rows"] == 1
+    torch._dynamo.reset()
+    kimi_cg.reset()
+    static = torch.compile(tower, backend="kimi_cg", dynamic=False)
+    for grid in ([[4, 6]], [[6, 6]]):
+        pixels, grid_tensor = _inputs(grid)
+        for got, want in zip(static(pixels, grid_tensor), tower(pixels, grid_tensor)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert kimi_cg.counters["traces_with_dynamic_rows"] == 0  # dynamic=False: static shapes, as asked
 
 
 def test_settings_come_back_after_torch_dynamo_reset_with_kimi_cg_reset():

@@ -138,12 +138,14 @@ def test_cu_seq_lens_given_to_sdpa_outside_the_flash_branch_are_ignored_as_eager
     _run(SegmentAttention("always_cu_seq_lens").eval(), [[[2, 3], [1, 4]], [[3, 3], [2, 2], [1, 2]]])
     counters = kimi_cg.counters.copy()
     assert counters["flash_path_traces"] == 0 and counters["flash_path_refusals"] == 0, counters
-    assert counters["dynamo_graphs"] >= 2, counters
+    assert counters["dynamo_graphs"] >= 1 and counters["lift_fallbacks"] == 0, counters
 
 
 @pytest.mark.parametrize("vision", [True, False])
 def test_only_vision_configs_take_the_flash_branch(vision):
     _run(SegmentAttention("split", vision=vision).eval(), [[[2, 3], [1, 4]], [[3, 3], [2, 2], [1, 2]]])
     counters = kimi_cg.counters.copy()
-    assert counters["flash_path_traces"] == (2 if vision else 0), counters
-    assert counters["flash_path_refusals"] == 0 and counters["dynamo_graphs"] >= 2, counters
+    # Every trace of a vision config takes the branch. One trace may serve both item counts: the rows and
+    # the grid are dynamic from the first trace (NOTE [dynamic first trace]) and nothing here fixes N.
+    assert counters["flash_path_traces"] == (counters["dynamo_graphs"] if vision else 0), counters
+    assert counters["flash_path_refusals"] == 0 and counters["dynamo_graphs"] >= 1, counters
