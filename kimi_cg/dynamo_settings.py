@@ -63,15 +63,16 @@ gets a program of its own with literal sizes (an eager device program, one CUDA 
 rows: slower than the shared Inductor program), and the second size traces the frame again with the
 rows symbolic. A later trace (a new item count, the RoPE table built at the first call) whose call
 happens to have the rows of the first is static again. So whenever dynamo traces a kimi_cg frame
-the start callback marks with ``maybe_mark_dynamic`` the leading dim of the frame's packed rows:
-among its tensor arguments (also inside ``*args`` / ``**kwargs`` and the tuples in them; not
-parameters) the float tensors whose leading size is the largest of the float ones (hidden states,
-rotary tables per row), and the integer ones (grid-made: cu_seqlens, a window permutation, the grid).
-That is what automatic dynamic would mark once the rows changed, from the first trace on. A smaller
-float tensor (a position table a resumed piece receives) keeps its static shape and its "fixed"
-padding rule. "Maybe": a dim the code fixes (``grid.tolist()`` fixes the item count) is specialised
-with a guard, no error; sizes 0 and 1 stay specialised. The marks are removed when the trace ends
-(dynamo guards on them: left on the caller's tensors they would fail another compile's guards); the
+that looks like a tower's entry (its tensor arguments, also inside ``*args`` / ``**kwargs`` and the
+tuples in them, not parameters: float tensors of one leading size, the packed rows, and integer
+grids of shape [N, 2] or [N, 3]), the start callback marks the rows' leading dim with
+``maybe_mark_dynamic``: what automatic dynamic would mark once the rows changed, from the first
+trace on. Other frames are left to dynamo: a resumed piece's stack or a nested frame given indices and tables
+(Qwen2.5-VL's window permutation over groups of 4 rows, Kimi-K2.5's per-frame index into its time
+table) would need each integer tensor's relation to the rows guessed, and a wrong guess gave those
+pieces programs that cannot run padded (measured: a padding hazard for Kimi-K2.5 on the H200,
+fewer replays for Qwen2.5-VL). "Maybe": a dim the code fixes is specialised with a guard, no error;
+sizes 0 and 1 stay specialised. The marks are removed when the trace ends (dynamo guards on them: left on the caller's tensors they would fail another compile's guards); the
 caller's own marks are kept. ``torch.compile(dynamic=False)`` gets no marks. Counted in
 ``counters["traces_with_dynamic_rows"]``. The exact-size path (``exact_rows``) stays for a trace
 whose rows still came out static.
@@ -258,8 +259,8 @@ def _on_compile_end(_args) -> None:
 
 
 def _mark_leading_dims_dynamic(code, frame_locals) -> list:
-    """NOTE [dynamic first trace]: marks the leading dim of the packed rows among a frame's tensor
-    arguments maybe-dynamic. Returns [(tensor, its marks before)] for ``_unmark``."""
+    """NOTE [dynamic first trace]: marks the leading dim of a tower entry's packed rows maybe-dynamic.
+    Returns [(tensor, its marks before)] for ``_unmark``."""
     if code is None or not isinstance(frame_locals, dict):
         return []
     if not torch._dynamo.config.automatic_dynamic_shapes or torch._dynamo.config.assume_static_by_default is False:
@@ -272,14 +273,16 @@ def _mark_leading_dims_dynamic(code, frame_locals) -> list:
             value if isinstance(value, (tuple, list)) else value.values() if isinstance(value, dict) else (value,))]
     # Parameters are module state; sizes 0 and 1 are specialised whatever the marks say.
     tensors = [v for v in values if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) and v.dim() >= 1]
-    rows = max((t.shape[0] for t in tensors if t.is_floating_point()), default=0)
+    floats = [t for t in tensors if t.is_floating_point()]
+    # A tower's entry: its packed rows (float, one leading size) and grids ([N, 2] or [N, 3] integers).
+    # Anything else (a resumed piece's stack, a nested frame given indices or tables) is left to dynamo.
+    if (code.co_name.startswith("torch_dynamo_resume_in_") or not floats or len({t.shape[0] for t in floats}) != 1
+            or floats[0].shape[0] < 2 or any(not t.is_floating_point() and (t.dim() != 2 or t.shape[1] not in (2, 3))
+                                             for t in tensors)):
+        return []
     marked = []
-    for value in tensors:
-        # Float tensors: only the packed rows (the largest leading size); a smaller float table passed in
-        # (a resumed piece's position table) keeps its static shape and its "fixed" rule (NOTE [padding
-        # rules]). Integer tensors are grid-made (a window permutation, cu_seqlens, the grid itself).
-        if ((value.shape[0] == rows if value.is_floating_point() else True) and value.shape[0] >= 2
-                and not any(value is tensor for tensor, _ in marked)):
+    for value in floats:
+        if not any(value is tensor for tensor, _ in marked):
             marked.append((value, {name: set(getattr(value, name)) if name == _WEAK else getattr(value, name)
                                    for name in _MARKS if hasattr(value, name)}))
             torch._dynamo.maybe_mark_dynamic(value, 0)
