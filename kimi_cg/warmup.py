@@ -5,9 +5,10 @@ Dynamo unrolls a tower's per-item loop, so each number of items N in a call is o
 docs/design.md). Everything else is shared between the traces: one device program, one set of
 bucket graphs. A serving engine calls ``warm_up`` once at start-up with one example item; it runs
 batches of 1..max_items copies of that item (tiny compute), in the order 1, 2, 1, 3, 4, ...: the
-first trace of a frame is static in the patch count, so count 1 is traced again once the count
-has become dynamic, with an item twice as tall (the same item would pass the static graph's
-guards and trace nothing). The first batch that fits a bucket also captures every bucket.
+first trace of a tower's entry frame is dynamic in the patch count (NOTE [dynamic first trace] in
+kimi_cg/dynamo_settings.py), but a piece after a graph break or a nested frame is traced statically
+first, so count 1 runs again with an item twice as tall (the same item would pass a static graph's
+guards and trace nothing); where every trace is already dynamic that call traces nothing. The first batch that fits a bucket also captures every bucket.
 """
 
 from __future__ import annotations
