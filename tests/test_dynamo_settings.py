@@ -299,3 +299,27 @@ def test_list_compare_shim_traces_unbacked_sizes_in_one_graph():
         out = grid_rows(torch.ones(6, 4), torch.tensor([2, 3]))
     torch._dynamo.reset()
     assert torch.equal(out, torch.ones(6, 4))
+
+
+def test_only_a_tower_entry_gets_dynamic_rows():
+    """NOTE [dynamic first trace]: float rows of one leading size beside [N, 2 | 3] grids are marked;
+    a frame given an index or a smaller table (a resumed piece, a nested frame) is left to dynamo."""
+    def entry(pixels, grid):
+        return pixels
+
+    def piece(table, frame_index, x):
+        return x
+
+    def window_permutation(hidden, window_index):
+        return hidden
+
+    pixels, grid = torch.randn(24, 3, 14, 14), torch.tensor([[4, 6]])
+    marked = dynamo_settings._mark_leading_dims_dynamic(entry.__code__, {"pixels": pixels, "grid": grid})
+    assert [tensor for tensor, _ in marked] == [pixels] and _marks(pixels)
+    dynamo_settings._unmark(marked)
+    assert _marks(pixels) == {}
+    locals_ = {"table": torch.randn(5, 16), "frame_index": torch.arange(12) % 5, "x": torch.randn(12, 16)}
+    assert dynamo_settings._mark_leading_dims_dynamic(piece.__code__, locals_) == []
+    locals_ = {"hidden": torch.randn(16, 8), "window_index": torch.arange(4)}
+    assert dynamo_settings._mark_leading_dims_dynamic(window_permutation.__code__, locals_) == []
+    assert all(_marks(t) == {} for t in (*locals_.values(), grid))

@@ -540,3 +540,28 @@ def test_family_bench_runs_on_cpu(tmp_path):
         assert family["fuzz"]["examples"] == 2 and family["fuzz"]["counters"].get("lift_fallbacks", 0) == 0
         assert family["kimi_cg"]["W1_speedup"] > 0 and family["kimi_cg"]["W4_fresh"]["calls"] > 0
     assert set(results["W4_fresh_speedup_vs_moonvit"]) == {"kimi_k25"}  # the issue's target, as a ratio
+
+
+def test_kimi_k25_pieces_keep_their_padding_rules_in_bf16():
+    """NOTE [dynamic first trace]: marking every frame's integer arguments dynamic (e65492b) gave
+    Kimi-K2.5's piece after get_vision_frame_index (a per-frame index into its time table) a program
+    that could not run padded: one padding hazard in this fuzz on the H200 and here in bf16. Only a
+    tower's entry is marked now; every piece replays the padded path."""
+    import copy
+
+    import kimi_cg.testing
+
+    tower = build_tower(TRANSFORMERS_FACTORIES["kimi_k25"], "sdpa")
+    model = copy.deepcopy(tower.model).to(torch.bfloat16)
+
+    def make_inputs(grid):
+        pixels, grid_thw = tower.make_inputs(grid)
+        return pixels.bfloat16(), grid_thw
+
+    compiled = torch.compile(model, backend="kimi_cg", options={"cuda_graphs": True})
+    strategy = kimi_cg.testing.grids(dims=3, max_items=4, max_side=16, max_patches=1024, video_fraction=0.0, max_frames=1)
+    kimi_cg.testing.assert_matches_eager(model, compiled, make_inputs, strategy, reference=tower.model,
+                                         outputs=tower.extract_outputs, max_examples=24)
+    counters = dict(kimi_cg.counters)
+    assert counters.get("padding_hazards", 0) == 0 and counters.get("padded_runs", 0) >= 24, counters
+    assert counters.get("traces_with_dynamic_rows", 0) >= 1, counters  # the entry frame is marked
