@@ -67,13 +67,14 @@ that looks like a tower's entry (its tensor arguments, also inside ``*args`` / `
 tuples in them, not parameters: float tensors of one leading size, the packed rows, and integer
 grids of shape [N, 2] or [N, 3]), the start callback marks the rows' leading dim with
 ``maybe_mark_dynamic``: what automatic dynamic would mark once the rows changed, from the first
-trace on. Other frames are left to dynamo: a resumed piece's stack or a nested frame given indices and tables
-(Qwen2.5-VL's window permutation over groups of 4 rows, Kimi-K2.5's per-frame index into its time
-table) would need each integer tensor's relation to the rows guessed, and a wrong guess gave those
-pieces programs that cannot run padded (measured: a padding hazard for Kimi-K2.5 on the H200,
-fewer replays for Qwen2.5-VL). "Maybe": a dim the code fixes is specialised with a guard, no error;
-sizes 0 and 1 stay specialised. The marks are removed when the trace ends (dynamo guards on them: left on the caller's tensors they would fail another compile's guards); the
-caller's own marks are kept. ``torch.compile(dynamic=False)`` gets no marks. Counted in
+trace on. Other frames are left to dynamo: a resumed piece's stack or a nested frame given indices
+and tables (Qwen2.5-VL's window permutation over groups of 4 rows, Kimi-K2.5's per-frame index into
+its time table) would need each integer tensor's relation to the rows guessed, and a wrong guess
+gave those pieces programs that cannot run padded (measured: a padding hazard for Kimi-K2.5 on the
+H200, fewer replays for Qwen2.5-VL). "Maybe": a dim the code fixes is specialised with a guard, no
+error; sizes 0 and 1 stay specialised. The marks are removed when the trace ends (dynamo guards on
+them: left on the caller's tensors they would fail another compile's guards); the caller's own marks
+are kept. ``torch.compile(dynamic=False)`` gets no marks. Counted in
 ``counters["traces_with_dynamic_rows"]``. The exact-size path (``exact_rows``) stays for a trace
 whose rows still came out static.
 
@@ -273,21 +274,19 @@ def _mark_leading_dims_dynamic(code, frame_locals) -> list:
             value if isinstance(value, (tuple, list)) else value.values() if isinstance(value, dict) else (value,))]
     # Parameters are module state; sizes 0 and 1 are specialised whatever the marks say.
     tensors = [v for v in values if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) and v.dim() >= 1]
-    floats = [t for t in tensors if t.is_floating_point()]
+    floats = list({id(t): t for t in tensors if t.is_floating_point()}.values())  # one tensor passed twice: once
     # A tower's entry: its packed rows (float, one leading size) and grids ([N, 2] or [N, 3] integers).
     # Anything else (a resumed piece's stack, a nested frame given indices or tables) is left to dynamo.
-    if (code.co_name.startswith("torch_dynamo_resume_in_") or not floats or len({t.shape[0] for t in floats}) != 1
-            or floats[0].shape[0] < 2 or any(not t.is_floating_point() and (t.dim() != 2 or t.shape[1] not in (2, 3))
-                                             for t in tensors)):
+    if code.co_name.startswith("torch_dynamo_resume_in_") or len({t.shape[0] for t in floats}) != 1:
         return []
-    marked = []
+    grids_only = all(t.is_floating_point() or (t.dim() == 2 and t.shape[1] in (2, 3)) for t in tensors)
+    if not grids_only or floats[0].shape[0] < 2:
+        return []
+    marked = [(value, {name: set(getattr(value, name)) if name == _WEAK else getattr(value, name)
+                       for name in _MARKS if hasattr(value, name)}) for value in floats]
     for value in floats:
-        if not any(value is tensor for tensor, _ in marked):
-            marked.append((value, {name: set(getattr(value, name)) if name == _WEAK else getattr(value, name)
-                                   for name in _MARKS if hasattr(value, name)}))
-            torch._dynamo.maybe_mark_dynamic(value, 0)
-    if marked:
-        counters["traces_with_dynamic_rows"] += 1
+        torch._dynamo.maybe_mark_dynamic(value, 0)
+    counters["traces_with_dynamic_rows"] += 1
     return marked
 
 

@@ -8,7 +8,8 @@ batches of 1..max_items copies of that item (tiny compute), in the order 1, 2, 1
 first trace of a tower's entry frame is dynamic in the patch count (NOTE [dynamic first trace] in
 kimi_cg/dynamo_settings.py), but a piece after a graph break or a nested frame is traced statically
 first, so count 1 runs again with an item twice as tall (the same item would pass a static graph's
-guards and trace nothing); where every trace is already dynamic that call traces nothing. The first batch that fits a bucket also captures every bucket.
+guards and trace nothing); where every trace is already dynamic that call traces nothing. The
+first batch that fits a bucket also captures every bucket.
 """
 
 from __future__ import annotations

@@ -125,7 +125,7 @@ def _marks(tensor):
 
 def test_the_first_trace_is_dynamic_in_the_rows_and_its_marks_do_not_stay():
     """NOTE [dynamic first trace]: the first image size gets the shared program (no static first-shape
-    program), and the caller's tensors carry no dynamo marks afterwards (dynamo guards on them)."""
+    program), and the caller's tensors hold no dynamo marks afterwards (dynamo guards on them)."""
     tower = _tiny_tower()
     compiled = torch.compile(tower, backend="kimi_cg")
     for grid in ([[4, 6]], [[6, 6]], [[2, 8]], [[8, 8]]):
