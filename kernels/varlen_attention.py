@@ -41,6 +41,85 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read when @triton.jit below decides, too
 
 
+# NOTE [head-dim split]
+# Triton's blocks have power-of-two sides, so a head dim of 72 (MoonViT) or 80 (Qwen2-VL, Qwen2.5-VL)
+# padded to one block of 128 spends 44% / 37% of the score product on zeros. The scores are computed
+# as the sum of two products over a main part of the head dim (the largest power of two <= it, at
+# least 16) and a tail (the rest rounded up to a power of two, at least ``min_tail``: tl.dot's
+# smallest side is 16): 72 = 64 + 16 with 8 masked dims, 80 = 64 + 16, none for 64 or 128. The values
+# and the output keep one block of the padded width: the same split of the second product (two
+# accumulators) computed wrong values in bfloat16 and float16 on the H200 with Triton 3.6 (right in
+# float32 and in the interpreter), so it is not used. The split changed no measured time on the H200
+# (docs/benchmarks.md, 2026-12-04): it is kept for the work it removes, not for a measured gain.
+
+
+def head_dim_split(head_dim: int, min_tail: int = 16) -> tuple[int, int]:
+    """NOTE [head-dim split]: (main, tail) block widths covering ``head_dim`` (tail 0: none); a tail
+    is at least ``min_tail`` wide (a power of two >= 16)."""
+    if head_dim <= 0:
+        raise ValueError(f"head_dim must be positive; got {head_dim}")
+    if min_tail < 16 or min_tail & (min_tail - 1):
+        raise ValueError(f"min_tail must be a power of two >= 16; got {min_tail}")
+    main = max(16, 1 << (head_dim.bit_length() - 1))
+    rest = head_dim - main
+    return main, 0 if rest <= 0 else max(min_tail, triton.next_power_of_2(rest))
+
+
+@triton.jit
+def _load_block(pointers, row_ok, dim_ok, MASK_ROWS: tl.constexpr, MASK_DIMS: tl.constexpr):
+    """A [rows, dims] block; rows and dims outside their masks read as 0 and are never loaded."""
+    if MASK_ROWS and MASK_DIMS:
+        block = tl.load(pointers, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    elif MASK_ROWS:
+        block = tl.load(pointers, mask=row_ok[:, None], other=0.0)
+    elif MASK_DIMS:
+        block = tl.load(pointers, mask=dim_ok[None, :], other=0.0)
+    else:
+        block = tl.load(pointers)
+    return block
+
+
+@triton.jit
+def _attend_key_block(
+    q_main, q_tail, acc, running_max, running_sum,
+    k_ptr, v_ptr, start, k_end, head, k_row_stride, k_head_stride, v_row_stride, v_head_stride, qk_scale,
+    HEAD_DIM: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, MASK_COLS: tl.constexpr,
+):
+    """One online-softmax step over the key rows [start, start + BLOCK_N) (those < k_end when MASK_COLS)."""
+    cols = start + tl.arange(0, BLOCK_N)
+    col_ok = cols < k_end
+    dims_main = tl.arange(0, D_MAIN)
+    k_rows = k_ptr + cols[:, None] * k_row_stride + head * k_head_stride
+    v_rows = v_ptr + cols[:, None] * v_row_stride + head * v_head_stride
+    keys = _load_block(k_rows + dims_main[None, :], col_ok, dims_main < HEAD_DIM, MASK_COLS, HEAD_DIM < D_MAIN)
+    if UPCAST:
+        keys = keys.to(tl.float32)
+    scores = tl.dot(q_main, tl.trans(keys), input_precision=INPUT_PRECISION)
+    if D_TAIL > 0:
+        dims_tail = D_MAIN + tl.arange(0, D_TAIL)
+        keys_tail = _load_block(k_rows + dims_tail[None, :], col_ok, dims_tail < HEAD_DIM, MASK_COLS,
+                                D_MAIN + D_TAIL > HEAD_DIM)
+        if UPCAST:
+            keys_tail = keys_tail.to(tl.float32)
+        scores += tl.dot(q_tail, tl.trans(keys_tail), input_precision=INPUT_PRECISION)
+    scores = scores * qk_scale
+    if MASK_COLS:
+        scores = tl.where(col_ok[None, :], scores, float("-inf"))
+    new_max = tl.maximum(running_max, tl.max(scores, 1))
+    rescale = tl.exp2(running_max - new_max)
+    weights = tl.exp2(scores - new_max[:, None])
+    running_sum = running_sum * rescale + tl.sum(weights, 1)
+    value_dims = tl.arange(0, BLOCK_D)
+    values = _load_block(v_rows + value_dims[None, :], col_ok, value_dims < HEAD_DIM, MASK_COLS, HEAD_DIM < BLOCK_D)
+    weights = weights.to(values.dtype)  # rounded to the input dtype, as flash kernels do
+    if UPCAST:
+        weights = weights.to(tl.float32)
+        values = values.to(tl.float32)
+    acc = acc * rescale[:, None] + tl.dot(weights, values, input_precision=INPUT_PRECISION)
+    return acc, new_max, running_sum
+
+
 @triton.jit
 def _work_list_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, work_ptr,
@@ -48,11 +127,14 @@ def _work_list_attention_kernel(
     v_row_stride, v_head_stride, out_row_stride, out_head_stride,
     qk_scale,  # the softmax scale times log2(e): the kernel works in powers of two
     HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    D_MAIN: tl.constexpr,  # NOTE [head-dim split]
+    D_TAIL: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # the values' and the output's width: the head dim rounded up to a power of two
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,  # products in float32 (Triton 3.6's interpreter computes bfloat16 tl.dot wrongly)
+    INTERPRETED: tl.constexpr,
 ):
     entry = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
@@ -62,45 +144,53 @@ def _work_list_attention_kernel(
     k_end = tl.load(work_ptr + entry * 4 + 3).to(tl.int64)
     if q_end > q_start:
         rows = q_start + tl.arange(0, BLOCK_M)
-        dims = tl.arange(0, BLOCK_D)
         row_ok = rows < q_end
-        dim_ok = dims < HEAD_DIM  # a head dim that is not a power of two (72) is masked, never read
-        q = tl.load(q_ptr + rows[:, None] * q_row_stride + head * q_head_stride + dims[None, :],
-                    mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+        dims_main = tl.arange(0, D_MAIN)
+        q_rows = q_ptr + rows[:, None] * q_row_stride + head * q_head_stride
+        q_main = _load_block(q_rows + dims_main[None, :], row_ok, dims_main < HEAD_DIM, True, HEAD_DIM < D_MAIN)
         if UPCAST:
-            q = q.to(tl.float32)
+            q_main = q_main.to(tl.float32)
+        if D_TAIL > 0:
+            dims_tail = D_MAIN + tl.arange(0, D_TAIL)
+            q_tail = _load_block(q_rows + dims_tail[None, :], row_ok, dims_tail < HEAD_DIM, True,
+                                 D_MAIN + D_TAIL > HEAD_DIM)
+            if UPCAST:
+                q_tail = q_tail.to(tl.float32)
+        else:
+            q_tail = q_main  # unused
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
         running_sum = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        start = k_start
-        # A while loop: Triton 3.6's interpreter cannot take a loaded scalar as a range() bound under
-        # NumPy >= 2.4 (and the compiled kernel runs both the same way).
-        while start < k_end:
-            cols = start + tl.arange(0, BLOCK_N)
-            col_ok = cols < k_end
-            load_mask = col_ok[:, None] & dim_ok[None, :]
-            keys = tl.load(k_ptr + cols[:, None] * k_row_stride + head * k_head_stride + dims[None, :],
-                           mask=load_mask, other=0.0)
-            if UPCAST:
-                keys = keys.to(tl.float32)
-            scores = tl.dot(q, tl.trans(keys), input_precision=INPUT_PRECISION) * qk_scale
-            scores = tl.where(col_ok[None, :], scores, float("-inf"))
-            new_max = tl.maximum(running_max, tl.max(scores, 1))
-            rescale = tl.exp2(running_max - new_max)
-            weights = tl.exp2(scores - new_max[:, None])
-            running_sum = running_sum * rescale + tl.sum(weights, 1)
-            values = tl.load(v_ptr + cols[:, None] * v_row_stride + head * v_head_stride + dims[None, :],
-                             mask=load_mask, other=0.0)
-            weights = weights.to(values.dtype)  # rounded to the input dtype, as flash kernels do
-            if UPCAST:
-                weights = weights.to(tl.float32)
-                values = values.to(tl.float32)
-            acc = acc * rescale[:, None] + tl.dot(weights, values, input_precision=INPUT_PRECISION)
-            running_max = new_max
-            start += BLOCK_N
-        out = acc / running_sum[:, None]
-        tl.store(out_ptr + rows[:, None] * out_row_stride + head * out_head_stride + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+        # Whole key blocks without column masks, then the partial one (if any) with them.
+        full_blocks = ((k_end - k_start) // BLOCK_N).to(tl.int32)
+        full_end = k_start + full_blocks * BLOCK_N
+        if INTERPRETED:
+            # A while loop: Triton 3.6's interpreter cannot take a loaded scalar as a range() bound
+            # under NumPy >= 2.4. Compiled, range() lets Triton pipeline the loads (num_stages).
+            block = 0
+            while block < full_blocks:
+                acc, running_max, running_sum = _attend_key_block(
+                    q_main, q_tail, acc, running_max, running_sum,
+                    k_ptr, v_ptr, k_start + block * BLOCK_N, k_end, head, k_row_stride, k_head_stride,
+                    v_row_stride, v_head_stride, qk_scale, HEAD_DIM, D_MAIN, D_TAIL, BLOCK_D, BLOCK_N,
+                    INPUT_PRECISION, UPCAST, False)
+                block += 1
+        else:
+            for block in range(0, full_blocks):
+                acc, running_max, running_sum = _attend_key_block(
+                    q_main, q_tail, acc, running_max, running_sum,
+                    k_ptr, v_ptr, k_start + block * BLOCK_N, k_end, head, k_row_stride, k_head_stride,
+                    v_row_stride, v_head_stride, qk_scale, HEAD_DIM, D_MAIN, D_TAIL, BLOCK_D, BLOCK_N,
+                    INPUT_PRECISION, UPCAST, False)
+        if full_end < k_end:
+            acc, running_max, running_sum = _attend_key_block(
+                q_main, q_tail, acc, running_max, running_sum,
+                k_ptr, v_ptr, full_end, k_end, head, k_row_stride, k_head_stride, v_row_stride, v_head_stride,
+                qk_scale, HEAD_DIM, D_MAIN, D_TAIL, BLOCK_D, BLOCK_N, INPUT_PRECISION, UPCAST, True)
+        out_rows = out_ptr + rows[:, None] * out_row_stride + head * out_head_stride
+        value_dims = tl.arange(0, BLOCK_D)
+        tl.store(out_rows + value_dims[None, :], (acc / running_sum[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & (value_dims < HEAD_DIM)[None, :])
 
 
 def work_list_capacity(rows: int, segments: int, block_m: int = BLOCK_M) -> int:
@@ -178,10 +268,12 @@ def work_list_rows(work: torch.Tensor) -> torch.Tensor:
 
 def work_list_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, work: torch.Tensor,
                         scale: float | None = None, block_m: int = BLOCK_M, block_n: int = BLOCK_N,
-                        num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+                        num_warps: int | None = None, num_stages: int | None = None,
+                        min_tail: int = 16, split_scores: bool = True) -> torch.Tensor:
     """softmax(q k^T * scale) v for each entry of ``work`` (see the module docstring); ``work`` must have
     been planned with the same ``block_m``. ``num_warps`` / ``num_stages``: Triton's launch options
-    (scripts/attention_bench.py sweeps them)."""
+    (scripts/attention_bench.py sweeps them). ``split_scores`` / ``min_tail``: NOTE [head-dim split]
+    (False: one score product over the head dim padded to a power of two)."""
     if q.dim() != 3 or k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"q, k, v must share one shape [T, H, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if q.dtype not in _FLOAT_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
@@ -196,6 +288,8 @@ def work_list_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, work:
     if work.shape[0] == 0 or q.shape[0] == 0:
         return out
     work = work.contiguous()
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    d_main, d_tail = head_dim_split(head_dim, min_tail) if split_scores else (block_d, 0)
     grid = (work.shape[0], q.shape[1])
     _work_list_attention_kernel[grid](
         q, k, v, out, work,
@@ -203,11 +297,14 @@ def work_list_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, work:
         v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         scale * math.log2(math.e),
         HEAD_DIM=head_dim,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        D_MAIN=d_main,
+        D_TAIL=d_tail,
+        BLOCK_D=block_d,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 or _INTERPRETED else "tf32",
         UPCAST=_INTERPRETED and q.dtype != torch.float32,
+        INTERPRETED=_INTERPRETED,
         **{name: value for name, value in (("num_warps", num_warps), ("num_stages", num_stages)) if value is not None},
     )
     return out

@@ -1,5 +1,5 @@
-"""Attention kernel time on a bucket: what kimi_cg replays today against the work-list kernel
-(kernels/varlen_attention.py) and against exact segments (issue 14's reference), on the H200.
+"""Attention kernel time on a bucket: what kimi_cg replays against exact segments (issue 14's
+reference), per kernel and launch configuration, on the H200.
 
     python scripts/attention_bench.py --out attention.json           # H200, bf16
     python scripts/attention_bench.py --smoke-test-on-cpu            # tiny, Triton's interpreter
@@ -9,13 +9,22 @@ Cases (bf16, fixed seeds; each a packed call of L rows in a bucket of C rows):
            MoonViT's heads (16 x 72)
   windows  the same images cut into Qwen2.5-VL windows (8 x 8 patches, partial at the edges);
            Qwen2.5-VL-7B's heads (16 x 80)
+  single   one image of 1024 (W1), 4096 and 16384 (W3) patches, exactly a bucket; 16 x 72
 Systems, per case:
-  flash_bucket   torch's varlen flash kernel on the bucket: the real segments, one trailing segment
-                 [L, C), max_seqlen = C (what a replayed graph runs today)
+  flash_bucket   torch's varlen flash kernel on the bucket's segment table as a replay holds it (the
+                 real segments, the padding rows in 64-row segments while the table has room, empty
+                 segments after; NOTE [segment tables]), max_seqlen = C
   flash_exact    the same kernel on the real segments only, max_seqlen = the longest (no padding)
-  work_list      the work-list kernel on the bucket (padding rows in linear blocks), per block size
-Times: CUDA events around 20 calls after 5 warm-up calls, median per call; each case also checks the
-work-list output against flash_exact on the real rows (max abs difference).
+  cudnn_dense    (single only) SDPA's cuDNN backend on [1, H, L, D]
+  cudnn_exact, cudnn_bucket   (--with-cudnn-ragged)
+                 cuDNN's attention on packed segments (cumulative lengths) on the exact segments / on
+                 the bucket's table with max_seqlen = C
+  work_list_<m>x<n>_w<warps>_s<stages>
+                 the work-list kernel on the same table, planned on the device as a replay plans it
+Times: each call captured in a CUDA graph, 20 replays back to back between CUDA events, the median of 5
+such samples per call (kernel time; launching from Python costs more than the kernels of small cases).
+Each case also checks the work-list and cuDNN outputs against flash_exact on the real rows (max abs
+difference).
 """
 
 from __future__ import annotations
@@ -33,10 +42,17 @@ SMOKE = "--smoke-test-on-cpu" in sys.argv
 if SMOKE:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel module is imported
 
-from kimi_cg.kernels.varlen_attention import plan_work_list, work_list_attention, work_list_capacity  # noqa: E402
+from kimi_cg.kernels.varlen_attention import plan_work_list_on_device, work_list_attention, work_list_capacity  # noqa: E402
 
 BUCKETS = (1024, 2048, 4096, 8192, 16384)
-BLOCKS = ((64, 64), (128, 64), (128, 128))
+TABLE_SEGMENTS = 33  # a bucket's item table: max_items (32) + 1
+PADDING_SEGMENT_ROWS = 64
+# (block_m, block_n, num_warps, num_stages)
+CONFIGS = ((64, 64, 4, 2), (128, 32, 4, 3), (128, 64, 8, 2))
+SINGLE = ((32, 32), (64, 64), (128, 128))
+SKIP_FLASH = False
+WITH_CUDNN_RAGGED = False  # --with-cudnn-ragged: ~80 ms a call on torch 2.11 (docs/benchmarks.md)
+KERNEL_OPTIONS: dict = {}  # --kernel-options: work_list_attention's keyword arguments (head-dim split)
 
 
 def image_requests(seed: int, count: int):
@@ -55,19 +71,31 @@ def segments_of(request, case: str) -> list[int]:
 
 
 def timed(fn, repeats: int = 20, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
+    """Median GPU time of one call in ms. The call is captured in a CUDA graph and ``repeats`` replays
+    run back to back between two events (kernel time, not Python's launch cost, which exceeds the
+    kernels of small cases); a call that cannot be captured is timed eagerly, one call per event pair."""
     if not torch.cuda.is_available():
         return float("nan")
-    times = []
-    for _ in range(repeats):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError:
+        graph = None
+        torch.cuda.synchronize()
+    samples = []
+    for _ in range(5):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(repeats if graph is not None else 1):
+            graph.replay() if graph is not None else fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        samples.append(start.elapsed_time(end) / (repeats if graph is not None else 1))
+    return statistics.median(samples)
 
 
 def flash(q, k, v, bounds, max_seqlen):
@@ -77,8 +105,35 @@ def flash(q, k, v, bounds, max_seqlen):
     return lambda: varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen)
 
 
-def run_case(case: str, request, heads: int, head_dim: int, device: str, dtype, smoke: bool) -> dict | None:
-    lengths = segments_of(request, case)
+def cudnn_dense(q, k, v):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+
+    def call():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v)[0].transpose(0, 1)
+    return call
+
+
+def cudnn_ragged(q, k, v, bounds, max_seqlen):
+    """cuDNN's attention over packed segments (torch's ``_cudnn_attention_forward`` with cumulative
+    lengths, as nested-tensor SDPA calls it)."""
+    cu = torch.tensor(bounds, dtype=torch.int32, device=q.device)
+    return lambda: torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, max_seqlen, max_seqlen, False)[0]
+
+
+def bucket_table(bounds: list[int], capacity: int, segments: int = TABLE_SEGMENTS) -> list[int]:
+    """The boundary table a replay holds (NOTE [segment tables] in kimi_cg/runtime/graphs.py)."""
+    table = list(bounds)
+    while len(table) < segments and table[-1] < capacity:
+        table.append(min(table[-1] + PADDING_SEGMENT_ROWS, capacity))
+    table[-1] = capacity
+    return table + [capacity] * (segments + 1 - len(table))
+
+
+def run_case(case: str, lengths: list[int], items: int, heads: int, head_dim: int, device: str, dtype,
+             smoke: bool) -> dict | None:
     rows = sum(lengths)
     capacity = next((c for c in BUCKETS if c >= rows), None)
     if capacity is None:
@@ -88,25 +143,56 @@ def run_case(case: str, request, heads: int, head_dim: int, device: str, dtype, 
     bounds = [0]
     for length in lengths:
         bounds.append(bounds[-1] + length)
-    result = {"case": case, "items": len(request), "segments": len(lengths), "rows": rows, "bucket": capacity}
-    exact = None
-    if not smoke:
+    # Windows need the dense table (a segment per 16 rows on top of the item table).
+    table = bucket_table(bounds, capacity, TABLE_SEGMENTS + (capacity // 16 if case == "windows" else 0))
+    result = {"case": case, "items": items, "segments": len(lengths), "rows": rows, "bucket": capacity,
+              "table_segments": len(table) - 1}
+    if smoke or SKIP_FLASH:  # no flash kernel on the CPU: the per-segment reference instead
+        from kimi_cg.ops.varlen_attention import varlen_attention_reference
+
+        exact = varlen_attention_reference(*(t[:rows].float() for t in (q, k, v)), torch.tensor(bounds).to(q.device))
+    else:
         longest = max(lengths)
         exact_q, exact_k, exact_v = q[:rows], k[:rows], v[:rows]
         result["flash_exact_ms"] = timed(flash(exact_q, exact_k, exact_v, bounds, longest))
-        bucket_bounds = bounds + [capacity] if rows < capacity else bounds  # one trailing segment [L, C)
-        result["flash_bucket_ms"] = timed(flash(q, k, v, bucket_bounds, capacity))
+        result["flash_bucket_ms"] = timed(flash(q, k, v, table, capacity))
         exact = flash(exact_q, exact_k, exact_v, bounds, longest)()
-    padded = bounds[:-1] + [capacity]  # the last segment reaches over the padding rows
-    for block_m, block_n in BLOCKS[:1] if smoke else BLOCKS:
-        work = plan_work_list(padded, block_m=block_m, padding_from=rows,
-                              entries=work_list_capacity(capacity, len(lengths) + 1, block_m)).to(device)
-        call = lambda: work_list_attention(q, k, v, work, block_m=block_m, block_n=block_n)  # noqa: E731
-        name = f"work_list_{block_m}x{block_n}"
+        ragged = (("cudnn_exact", cudnn_ragged(exact_q, exact_k, exact_v, bounds, longest)),
+                  ("cudnn_bucket", cudnn_ragged(q, k, v, table, capacity)))
+        for name, call in ragged if WITH_CUDNN_RAGGED else ():
+            try:
+                result[f"{name}_max_abs_diff"] = (call()[:rows].float() - exact.float()).abs().max().item()
+                result[f"{name}_ms"] = timed(call)
+            except RuntimeError as error:  # no ragged cuDNN attention in this build or for this shape
+                result[f"{name}_error"] = str(error)[:300]
+        if case == "single":
+            try:
+                result["cudnn_dense_ms"] = timed(cudnn_dense(exact_q, exact_k, exact_v))
+            except RuntimeError as error:  # no cuDNN attention for this shape or build
+                result["cudnn_dense_error"] = str(error)[:200]
+    cu_table = torch.tensor(table, dtype=torch.int32, device=device)
+    for block_m, block_n, warps, stages in CONFIGS[:1] if smoke else CONFIGS:
+        work = plan_work_list_on_device(cu_table, work_list_capacity(capacity, len(table) - 1, block_m), block_m)
+        call = lambda: work_list_attention(q, k, v, work, block_m=block_m, block_n=block_n,  # noqa: E731
+                                           num_warps=warps, num_stages=stages, **KERNEL_OPTIONS)
+        name = f"work_list_{block_m}x{block_n}_w{warps}_s{stages}"
         result[f"{name}_ms"] = timed(call, repeats=1 if smoke else 20, warmup=0 if smoke else 5)
         if exact is not None:
             result[f"{name}_max_abs_diff"] = (call()[:rows].float() - exact.float()).abs().max().item()
     return result
+
+
+def summarise(cases: list[dict]) -> dict:
+    """Per case kind: each system's summed time and its ratio to flash on exact segments."""
+    summary = {}
+    for kind in sorted({case["case"] for case in cases}):
+        chosen = [case for case in cases if case["case"] == kind]
+        systems = sorted({key[:-3] for case in chosen for key in case if key.endswith("_ms")})
+        totals = {name: sum(case.get(f"{name}_ms", float("nan")) for case in chosen) for name in systems}
+        exact = totals.get("flash_exact")
+        summary[kind] = {name: {"ms": round(total, 3), "vs_flash_exact": round(total / exact, 3) if exact else None}
+                         for name, total in totals.items()}
+    return summary
 
 
 def main() -> None:
@@ -114,18 +200,33 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=12)
     parser.add_argument("--smoke-test-on-cpu", action="store_true")
     parser.add_argument("--out")
+    parser.add_argument("--kernel-options", default="{}",
+                        help='JSON keyword arguments for the work-list kernel, e.g. {"split_values": false}')
+    parser.add_argument("--cases", default="images,windows,single")
+    parser.add_argument("--skip-flash", action="store_true", help="time the work-list kernel only")
+    parser.add_argument("--with-cudnn-ragged", action="store_true", help="also time cudnn_exact and cudnn_bucket")
     args = parser.parse_args()
+    KERNEL_OPTIONS.update(json.loads(args.kernel_options))
+    global SKIP_FLASH, WITH_CUDNN_RAGGED
+    SKIP_FLASH, WITH_CUDNN_RAGGED = args.skip_flash, args.with_cudnn_ragged
     device = "cpu" if args.smoke_test_on_cpu else "cuda"
     dtype = torch.float32 if args.smoke_test_on_cpu else torch.bfloat16
     requests = [[(8, 12), (4, 6)]] if args.smoke_test_on_cpu else image_requests(seed=0, count=args.requests)
-    shapes = {"images": (16, 72), "windows": (16, 80)} if not args.smoke_test_on_cpu else {"images": (1, 16), "windows": (1, 16)}
+    shapes = ({"images": (16, 72), "windows": (16, 80), "single": (16, 72)} if not args.smoke_test_on_cpu
+              else {"images": (1, 16), "windows": (1, 16), "single": (1, 24)})
     report = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "cases": []}
-    for case, (heads, head_dim) in shapes.items():
-        for request in requests:
-            result = run_case(case, request, heads, head_dim, device, dtype, args.smoke_test_on_cpu)
-            if result is not None:
-                report["cases"].append(result)
-                print(json.dumps(result), flush=True)
+    calls = [(case, segments_of(request, case), len(request)) for case in ("images", "windows")
+             for request in requests]
+    calls += [("single", [h * w], 1) for h, w in ([(8, 8)] if args.smoke_test_on_cpu else SINGLE)]
+    wanted = set(args.cases.split(","))
+    for case, lengths, items in [call for call in calls if call[0] in wanted]:
+        heads, head_dim = shapes[case]
+        result = run_case(case, lengths, items, heads, head_dim, device, dtype, args.smoke_test_on_cpu)
+        if result is not None:
+            report["cases"].append(result)
+            print(json.dumps(result), flush=True)
+    report["summary"] = summarise(report["cases"])
+    print(json.dumps(report["summary"], indent=1), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

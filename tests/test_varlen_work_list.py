@@ -19,6 +19,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from kimi_cg.kernels.varlen_attention import (  # noqa: E402
     BLOCK_M,
+    head_dim_split,
     plan_work_list,
     plan_work_list_on_device,
     work_list_attention,
@@ -123,18 +124,48 @@ def test_many_windows_in_a_padded_table_match_per_segment_sdpa():
 TOLERANCES = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (4e-3, 4e-3)}
 
 
+def test_head_dim_split_covers_the_head_dim_with_power_of_two_blocks():
+    """NOTE [head-dim split]: 72 = 64 + 16 (8 masked), 80 = 64 + 16, no tail for powers of two."""
+    assert head_dim_split(72) == (64, 16) and head_dim_split(80) == (64, 16)
+    assert head_dim_split(64) == (64, 0) and head_dim_split(128) == (128, 0)
+    assert head_dim_split(8) == (16, 0) and head_dim_split(96) == (64, 32) and head_dim_split(40) == (32, 16)
+    for head_dim in range(1, 300):
+        main, tail = head_dim_split(head_dim)
+        assert main >= 16 and main & (main - 1) == 0 and main <= max(16, head_dim)
+        assert tail == 0 or (tail >= 16 and tail & (tail - 1) == 0 and tail < 2 * max(16, head_dim - main))
+        assert main + tail >= head_dim
+    with pytest.raises(ValueError, match="positive"):
+        head_dim_split(0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_dim", [16, 72])
-def test_kernel_matches_per_segment_sdpa(dtype, head_dim):
-    lengths = [1, 70, 0, 17, 130, 64]
+@pytest.mark.parametrize("head_dim", [8, 16, 72, 80, 96])
+@pytest.mark.parametrize("block_m, block_n", [(64, 64), (128, 32)])
+def test_kernel_matches_per_segment_sdpa(dtype, head_dim, block_m, block_n):
+    """Segments of whole key blocks, partial ones and both, with every head-dim split (masked main
+    part, masked tail, exact tail, no tail) and two block shapes."""
+    lengths = [1, 70, 0, 17, 130, 64, 32]
     bounds = bounds_of(lengths)
     q, k, v = packed(bounds[-1], 2, head_dim, dtype, seed=head_dim)
-    work = plan_work_list(bounds, entries=work_list_capacity(bounds[-1], len(lengths))).to(DEVICE)
-    got = work_list_attention(q, k, v, work, scale=0.3)
+    work = plan_work_list(bounds, block_m=block_m,
+                          entries=work_list_capacity(bounds[-1], len(lengths), block_m)).to(DEVICE)
+    got = work_list_attention(q, k, v, work, scale=0.3, block_m=block_m, block_n=block_n)
     want = varlen_attention_reference(q.float(), k.float(), v.float(), torch.tensor(bounds), scale=0.3)
     rtol, atol = TOLERANCES[dtype]
     assert not torch.isnan(got).any()
     torch.testing.assert_close(got.float(), want, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("options", [{"split_scores": False}, {"min_tail": 32}])
+def test_kernel_without_the_split_or_with_a_wider_tail_matches(options):
+    """NOTE [head-dim split]: one padded score product, or a tail of 32, give the same attention."""
+    lengths = [70, 130, 1]
+    bounds = bounds_of(lengths)
+    q, k, v = packed(bounds[-1], 2, 72, torch.float32, seed=5)
+    work = plan_work_list(bounds, entries=work_list_capacity(bounds[-1], len(lengths))).to(DEVICE)
+    got = work_list_attention(q, k, v, work, **options)
+    want = varlen_attention_reference(q, k, v, torch.tensor(bounds))
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
 
 
 def test_nan_in_other_segments_and_in_padding_never_reaches_real_rows():
@@ -177,4 +208,7 @@ def test_attention_bench_runs_on_cpu(tmp_path):
                             capture_output=True, text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert result.returncode == 0, result.stderr[-2000:]
     cases = json.loads(out.read_text())["cases"]
-    assert {case["case"] for case in cases} == {"images", "windows"}
+    assert {case["case"] for case in cases} == {"images", "windows", "single"}
+    for case in cases:  # the interpreted kernel against the per-segment reference, fp32
+        diffs = [value for key, value in case.items() if key.endswith("_max_abs_diff")]
+        assert diffs and max(diffs) < 1e-4, case
