@@ -95,9 +95,9 @@ def varlen_attention_masked(
 # is the bucket's capacity, so a table of hundreds of windows launches hundreds of thousands of empty
 # blocks. The work-list kernel (kernels/varlen_attention.py) launches one block per 64 rows of each
 # segment, planned on the device from the boundaries (no host read, so it is captured and replayed
-# with the boundaries a replay holds). On the H200 it ran Qwen2.5-VL's windows 5.8x faster than flash
-# on the bucket and a little faster than flash on exact segments, but whole images (a few long
-# segments) 1.5x slower than flash on the bucket (docs/benchmarks.md, 2026-12-01). So the choice is
+# with the boundaries a replay holds). On the H200 (graph-timed, docs/benchmarks.md, 2026-12-04) it ran
+# Qwen2.5-VL's windows 22x faster than flash on the bucket and as fast as flash on exact segments, but
+# whole images (a few long segments) 1.8x slower than flash on the bucket. So the choice is
 # made from shapes alone (the same for every replay of a bucket): many segments of few rows on
 # average take the work list, the rest flash. A bucket's item table (max_items + 1 = 33 segments by
 # default) stays on flash; a dense table (NOTE [segment tables] in kimi_cg/runtime/graphs.py: a

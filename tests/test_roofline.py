@@ -1,0 +1,54 @@
+"""scripts/roofline.py's FLOP counts against torch's own FLOP counter, and its bucket arithmetic."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import roofline  # noqa: E402
+
+from kimi_cg.models import MoonVitConfig, MoonVitPretrainedModel  # noqa: E402
+
+
+def test_tower_flops_equal_torchs_flop_counter_on_one_image():
+    """One image: the sdpa tower's block mask is the whole call, so torch counts exactly the
+    convolution, the GEMMs and the two attention products that the formula counts."""
+    config = MoonVitConfig.tiny(attn_implementation="sdpa")
+    model = MoonVitPretrainedModel(config).eval()
+    grid = [[6, 8]]
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(torch.randn(48, 3, 14, 14), torch.tensor(grid))
+    counted = roofline.tower_flops(config, grid)
+    assert counter.get_total_flops() == counted["embed"] + counted["gemm"] + counted["attention"]
+    by_op = {str(op): flops for op, flops in counter.get_flop_counts()["Global"].items()}
+    assert by_op["aten.convolution"] == counted["embed"]
+    assert by_op["aten.bmm"] == counted["attention"]
+
+
+def test_attention_flops_are_per_segment():
+    config = MoonVitConfig.tiny()
+    one, two = roofline.tower_flops(config, [[4, 4]]), roofline.tower_flops(config, [[4, 4], [4, 4]])
+    assert two["attention"] == 2 * one["attention"] and two["gemm"] == 2 * one["gemm"]
+
+
+def test_executed_rows_follow_the_buckets():
+    buckets = (1024, 1280, 1536, 2048)
+    assert roofline.executed_rows(1024, buckets) == 1024
+    assert roofline.executed_rows(1025, buckets) == 1280
+    assert roofline.executed_rows(2048, buckets) == 2048
+    assert roofline.executed_rows(2049, buckets) == 2048 + 1024  # a piece of the largest bucket, then the rest
+    assert roofline.executed_rows(5000, buckets) == 2 * 2048 + 1024
+
+
+def test_roofline_rows_from_a_report():
+    report = {"results": {"W1": {"kimi_cg": {"mean_ms": 5.0, "replay_only_ms": 4.0}},
+                          "W3": {"kimi_cg": {"mean_ms": 170.0}}}}
+    rows = {row["workload"]: row for row in roofline.roofline(report)}
+    assert set(rows) == {"W1", "W3"}
+    assert rows["W1"]["kernel_ms"] == 4.0 and not rows["W1"]["kernel_ms_is_end_to_end"]
+    assert rows["W3"]["kernel_ms_is_end_to_end"] and rows["W3"]["rows"] == 128 * 128
+    assert "| W1 | 1024 |" in roofline.markdown(list(rows.values()))
