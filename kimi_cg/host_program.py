@@ -89,23 +89,36 @@ class ItemValue(torch.nn.Module):
 def _grid_rows(graph: torch.fx.Graph, grid_placeholders: set[torch.fx.Node]) -> dict[torch.fx.Node, frozenset]:
     """For each scalar node derived from grid integers: the set of grid rows it depends on."""
 
-    def row_of_item(node: torch.fx.Node):
-        source = node.args[0] if node.args else None
-        indices = []
-        while isinstance(source, torch.fx.Node) and source.target is operator.getitem:
-            indices.append(source.args[1])
-            source = source.args[0]
-        if source in grid_placeholders and indices and isinstance(indices[-1], int):
-            return frozenset([indices[-1]])
-        return None
-
     rows: dict[torch.fx.Node, frozenset] = {}
     for node in graph.nodes:
-        if node.op == "call_method" and node.target in ("item", "tolist") or node.target is torch.ops.aten._local_scalar_dense.default:
-            row = row_of_item(node)
-            if row is not None:
-                rows[node] = row
+        is_read = (node.op == "call_method" and node.target in ("item", "tolist")
+                   or node.target is torch.ops.aten._local_scalar_dense.default)
+        # NOTE [grid read once]: grid.tolist()[i][j] reads row i too
+        is_list_read = (node.op == "call_function" and node.target is operator.getitem
+                        and _grid_list_path(node, grid_placeholders))
+        if is_read or is_list_read:
+            path = _grid_list_path(node if is_list_read else node.args[0] if node.args else None, grid_placeholders,
+                                   tensor_chain=not is_list_read)
+            if path and isinstance(path[0], int):
+                rows[node] = frozenset([path[0]])
     return rows
+
+
+def _grid_list_path(node, grid_placeholders, tensor_chain: bool = False) -> list | None:
+    """The indices [i, j] of ``grid[i][j]`` (``tensor_chain``: tensor indexing of the grid) or of
+    ``grid.tolist()[i][j]`` (NOTE [grid read once]) at ``node``; None for anything else."""
+    indices = []
+    source = node
+    while isinstance(source, torch.fx.Node) and source.op == "call_function" and source.target is operator.getitem:
+        indices.append(source.args[1])
+        source = source.args[0]
+    if not tensor_chain:
+        if not (isinstance(source, torch.fx.Node) and source.op == "call_method" and source.target == "tolist"):
+            return None
+        source = source.args[0]
+    if source not in grid_placeholders or not indices:
+        return None
+    return list(reversed(indices))
 
 
 def _structure(nodes: list[torch.fx.Node], inputs: list[torch.fx.Node]) -> tuple:
@@ -228,6 +241,145 @@ def inline_scalar_asserts(gm: torch.fx.GraphModule) -> int:
     return kept
 
 
+# NOTE [grid read once]
+# Dynamo turns each ``for h, w in grid.tolist()`` of a tower into one ``grid[i][j].item()`` per
+# integer, and a tower reads its grid in several loops (position embeddings, RoPE, cu_seqlens, the
+# merger): on MoonViT 6 scalar reads per item and their tensor indexings, each a dispatcher call of
+# microseconds, in every call that misses the batch cache. The host program instead reads each grid
+# once as a Python list (``grid.tolist()``, one host read) and indexes the list. A read is rewritten
+# only when its chain is grid[i][j] (or grid[i]) with literal indices; the indexing nodes that nothing
+# else uses are dropped, the rest stay as they are. The values are the same Python ints (.item() and
+# .tolist() convert alike), and an index out of range raises IndexError in both forms.
+def read_grids_once(gm: torch.fx.GraphModule, grid_placeholders: set[torch.fx.Node]) -> int:
+    """NOTE [grid read once]: rewrite scalar reads of grid integers; returns how many."""
+    graph = gm.graph
+    lists: dict[torch.fx.Node, torch.fx.Node] = {}
+    rewritten = 0
+    for node in list(graph.nodes):
+        is_read = (node.op == "call_method" and node.target == "item"
+                   or node.op == "call_function" and node.target is torch.ops.aten._local_scalar_dense.default)
+        if not is_read or len(node.args) != 1:
+            continue
+        indices, source, chain = [], node.args[0], []
+        while isinstance(source, torch.fx.Node) and source.op == "call_function" and source.target is operator.getitem:
+            indices.append(source.args[1])
+            chain.append(source)
+            source = source.args[0]
+        if source not in grid_placeholders or not 1 <= len(indices) <= 2 or not all(type(i) is int for i in indices):
+            continue
+        if source not in lists:
+            with graph.inserting_after(source):
+                lists[source] = graph.call_method("tolist", (source,))
+        value = lists[source]
+        with graph.inserting_before(node):
+            for index in reversed(indices):  # grid[i][j]: the outer index first
+                value = graph.call_function(operator.getitem, (value, index))
+        value.meta.update(node.meta)  # the symbol it stands for, to name it in errors
+        node.replace_all_uses_with(value)
+        graph.erase_node(node)
+        for link in chain:  # innermost first: drop indexings nothing else reads
+            if not link.users:
+                graph.erase_node(link)
+        rewritten += 1
+    if rewritten:
+        graph.lint()
+        gm.recompile()
+    return rewritten
+
+
+# NOTE [repeated host reads]
+# Each layer of a tower re-reads the segment boundaries it was handed: MoonViT's flash path checks
+# ``cu_seqlens[-1].item() == L`` and takes ``(cu_seqlens[1:] - cu_seqlens[:-1]).max().item()`` in
+# every layer, 27 times per call, and the grid integers are read once per loop over the grid. Once
+# lifted, these are host nodes computing the same value from the same inputs: identical nodes of a
+# fixed set of side-effect-free operations (indexing, scalar reads, reductions, integer arithmetic
+# and comparisons) are merged into their first occurrence, and the runtime checks on them then
+# collapse into one per condition (``inline_scalar_asserts``). A node some user writes in place,
+# and every operation outside that set (allocations, random numbers, in-place ops, module calls,
+# checks), is never merged.
+_PURE_FUNCTIONS = frozenset({
+    operator.getitem, operator.add, operator.sub, operator.mul, operator.floordiv, operator.truediv,
+    operator.mod, operator.neg, operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge,
+    operator.and_, operator.or_, operator.not_, torch.sym_not, torch.sym_max, torch.sym_min, torch.sym_sum,
+    torch.ops.aten._local_scalar_dense.default, torch.ops.aten.sym_size.int,
+})
+_PURE_METHODS = frozenset({"item", "tolist", "max", "min", "sum", "size", "dim", "numel"})
+
+
+_VIEW_METHODS = frozenset({"view", "reshape", "permute", "transpose", "flatten", "unflatten", "unsqueeze", "squeeze",
+                           "expand", "narrow", "select", "t", "view_as"})
+_SCALAR_METHODS = frozenset({"item", "size", "dim", "numel"})
+_CHECKS = (check_scalar, torch.ops.aten._assert_scalar.default)
+_SCALAR_FUNCTIONS = frozenset({torch.ops.aten._local_scalar_dense.default, torch.ops.aten.sym_size.int, torch.sym_not,
+                               torch.sym_max, torch.sym_min, torch.sym_sum})
+
+
+def _is_scalar(node, memo: dict) -> bool:
+    """Whether ``node`` is a Python scalar (an int, float or bool read from a tensor or a list, or
+    arithmetic on such values): immutable, so any number of users may share it."""
+    if not isinstance(node, torch.fx.Node):
+        return not isinstance(node, (list, tuple, dict, torch.Tensor))
+    if node not in memo:
+        value = example_value(node)
+        if isinstance(value, (bool, int, float, torch.SymInt, torch.SymFloat, torch.SymBool)):
+            memo[node] = True
+        elif node.op == "call_method":
+            memo[node] = node.target in _SCALAR_METHODS
+        elif node.op == "call_function" and node.target in _SCALAR_FUNCTIONS:
+            memo[node] = True
+        elif node.op == "call_function" and node.target in _PURE_FUNCTIONS and node.target is not operator.getitem:
+            memo[node] = all(_is_scalar(arg, memo) for arg in node.args)
+        else:  # placeholders, indexing of tensors and lists, and the rest: not known to be scalars
+            memo[node] = False
+    return memo[node]
+
+
+def _only_read(node: torch.fx.Node, scalars: dict) -> bool:
+    """Whether every use of ``node`` (through views and indexing of it) reads it without writing:
+    the side-effect-free operations of NOTE [repeated host reads], checks, and the program's outputs
+    (the device program is functional). An index of it that is a scalar is a read, whoever uses it."""
+    for user in node.users:
+        if user.op == "output" or user.op == "call_function" and user.target in _CHECKS:
+            continue
+        if user.op == "call_function" and user.target in _PURE_FUNCTIONS:
+            if user.target is operator.getitem and not (_is_scalar(user, scalars) or _only_read(user, scalars)):
+                return False
+            continue
+        if user.op == "call_method" and (user.target in _PURE_METHODS
+                                         or user.target in _VIEW_METHODS and _only_read(user, scalars)):
+            continue
+        return False
+    return True
+
+
+def _by_identity(arg):
+    return ("node", id(arg)) if isinstance(arg, torch.fx.Node) else arg
+
+
+def merge_repeated_reads(gm: torch.fx.GraphModule) -> int:
+    """NOTE [repeated host reads]: merge identical side-effect-free nodes; returns how many went."""
+    first: dict[tuple, torch.fx.Node] = {}
+    scalars: dict = {}
+    merged = 0
+    for node in list(gm.graph.nodes):
+        pure = (node.op == "call_function" and node.target in _PURE_FUNCTIONS
+                or node.op == "call_method" and node.target in _PURE_METHODS)
+        if not pure or not (_is_scalar(node, scalars) or _only_read(node, scalars)):
+            continue
+        # Nodes by identity, constants by repr (a slice is not hashable before Python 3.12).
+        key = (node.op, node.target, repr(torch.fx.node.map_aggregate(node.args, _by_identity)),
+               repr(torch.fx.node.map_aggregate(dict(node.kwargs), _by_identity)))
+        kept = first.setdefault(key, node)
+        if kept is not node:
+            node.replace_all_uses_with(kept)
+            gm.graph.erase_node(node)
+            merged += 1
+    if merged:
+        gm.graph.lint()
+        gm.recompile()
+    return merged
+
+
 class HostProgram:
     """Runs the host program; maps failures to InvalidInputError naming the grid items involved."""
 
@@ -245,6 +397,8 @@ class HostProgram:
                 if not any(isinstance(a, torch.fx.Node) and a in grid_nodes for a in node.all_input_nodes):
                     const_nodes.add(node)
         self.items_cached = install_item_cache(self.gm, grid_nodes, const_nodes, owner, cache_bytes)
+        self.grid_reads = read_grids_once(self.gm, grid_nodes)
+        self.reads_merged = merge_repeated_reads(self.gm)
         self.asserts_inlined = inline_scalar_asserts(self.gm)
         self.grid_positions = [i for i, ref in enumerate(program.inputs) if ref.program == "arg" and ref.index in grid_inputs]
         self._grid_position_set = frozenset(self.grid_positions)
@@ -354,14 +508,21 @@ class HostProgram:
         """Replace dynamo's symbol names (u3, s99) in a message by the grid entries they stand for."""
         names = {}
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        grids = {placeholders[i] for i in self.grid_positions}
         for node in self.gm.graph.nodes:
             value = example_value(node)
-            if node.op == "call_method" and node.target == "item" and isinstance(value, torch.SymInt):
+            if not isinstance(value, torch.SymInt):
+                continue
+            if node.op == "call_method" and node.target == "item":
                 path, source = [], node.args[0]
                 while isinstance(source, torch.fx.Node) and source.target is operator.getitem:
                     path.append(source.args[1])
                     source = source.args[0]
                 names[str(value.node.expr)] = "grid" + "".join(f"[{i}]" for i in reversed(path))
+            elif node.op == "call_function" and node.target is operator.getitem:  # NOTE [grid read once]
+                path = _grid_list_path(node, grids)
+                if path:
+                    names[str(value.node.expr)] = "grid" + "".join(f"[{i}]" for i in path)
         for position, node in enumerate(placeholders):
             value = example_value(node)
             if isinstance(value, torch.SymInt):

@@ -295,6 +295,83 @@ def test_projector_pre_norm_is_fused_into_the_gather(tmp_path):
     assert code.count("layer_norm(") == 2 * MoonViT3dConfig.tiny().num_hidden_layers + 1  # blocks + final, not pre_norm
 
 
+def test_grid_integers_are_read_once_as_a_list():
+    """NOTE [grid read once]: grid[i][j].item() chains become indexing of one grid.tolist(); an
+    indexing another node uses as a tensor stays; reads of other tensors are left alone."""
+    from kimi_cg.host_program import read_grids_once
+
+    graph = torch.fx.Graph()
+    grid, other = graph.placeholder("grid"), graph.placeholder("other")
+    row0, row1 = graph.call_function(operator.getitem, (grid, 0)), graph.call_function(operator.getitem, (grid, 1))
+    h0 = graph.call_method("item", (graph.call_function(operator.getitem, (row0, 0)),))
+    w0 = graph.call_function(torch.ops.aten._local_scalar_dense.default, (graph.call_function(operator.getitem, (row0, 1)),))
+    h1 = graph.call_method("item", (graph.call_function(operator.getitem, (row1, 0)),))
+    row1_sum = graph.call_method("sum", (row1,))  # a tensor use of grid[1]: kept
+    t = graph.call_method("item", (graph.call_function(operator.getitem, (other, 0)),))  # not a grid
+    graph.output((graph.call_function(operator.mul, (h0, w0)), h1, row1_sum, t))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    args = (torch.tensor([[6, 4], [2, 8]]), torch.tensor([7, 9]))
+    want = gm(*args)
+    assert read_grids_once(gm, {grid}) == 3
+    code = gm.code
+    assert code.count("tolist()") == 1 and code.count(".item()") == 1  # the other tensor's read only
+    assert [n.target for n in gm.graph.nodes].count("sum") == 1
+    got = gm(*args)
+    assert got[0] == want[0] == 24 and got[1] == want[1] == 2 and got[3] == want[3] == 7
+    assert torch.equal(got[2], want[2]) and all(type(v) is int for v in (got[0], got[1]))
+    with pytest.raises(IndexError):
+        gm(torch.tensor([[6, 4]]), args[1])  # too few items: IndexError, as grid[1] raised before
+
+
+def test_repeated_host_reads_merge_and_their_checks_run_once():
+    """NOTE [repeated host reads]: per-layer re-reads of the boundaries become one read and one check;
+    a tensor some user writes in place, and allocations, are never merged; values are unchanged."""
+    from kimi_cg.host_program import check_scalar, inline_scalar_asserts, merge_repeated_reads
+
+    graph = torch.fx.Graph()
+    cu, rows = graph.placeholder("cu"), graph.placeholder("rows")
+    longest = []
+    for layer in range(3):  # each "layer" checks cu[-1] == rows and takes the longest segment
+        last = graph.call_method("item", (graph.call_function(operator.getitem, (cu, -1)),))
+        graph.call_function(torch.ops.aten._assert_scalar.default, (graph.call_function(operator.eq, (last, rows)), f"layer {layer}"))
+        diff = graph.call_function(operator.sub, (graph.call_function(operator.getitem, (cu, slice(1, None))),
+                                                  graph.call_function(operator.getitem, (cu, slice(None, -1)))))
+        longest.append(graph.call_method("item", (graph.call_method("max", (diff,)),)))
+    written = [graph.call_function(operator.getitem, (cu, slice(0, 2))) for _ in range(2)]
+    graph.call_method("add_", (written[0], 1))  # cu[0:2] written in place: neither copy may be merged
+    zeros = [graph.call_function(torch.zeros, (2,)) for _ in range(2)]  # allocations: never merged
+    graph.output((longest, written, zeros))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    before = len(gm.graph.nodes)
+    merged = merge_repeated_reads(gm)
+    assert merged == 2 * (1 + 1 + 1 + 1 + 1 + 1 + 1 + 1)  # per extra layer: 2 indexings x 2 + sub, max, 2 items, eq
+    assert len(gm.graph.nodes) == before - merged
+    assert inline_scalar_asserts(gm) == 1  # the three layers' checks now share one condition
+    targets = [n.target for n in gm.graph.nodes]
+    assert targets.count("item") == 2 and targets.count("max") == 1 and targets.count(check_scalar) == 1
+    assert targets.count(torch.zeros) == 2 and targets.count(operator.getitem) == 3 + 2
+    got_longest, got_written, got_zeros = gm(torch.tensor([0, 3, 7, 8]), 8)
+    assert got_longest == [4, 4, 4] and got_zeros[0] is not got_zeros[1]
+    assert got_written[0].tolist() == [1, 4] and got_written[1].tolist() == [1, 4]  # one storage, written once
+    with pytest.raises(RuntimeError, match="layer 0"):
+        gm(torch.tensor([0, 3, 7, 9]), 8)
+
+
+def test_moonvit_host_program_reads_its_grid_once(tmp_path):
+    """NOTE [grid read once] and NOTE [repeated host reads] on a real tower: the dumped host program
+    reads grid_hws with one tolist(), and of the boundary reads each layer's flash path makes
+    (cu_seqlens[-1].item(), the longest segment's .item()) one of each remains; outputs equal eager."""
+    torch.manual_seed(0)
+    model = MoonVitPretrainedModel(MoonVitConfig.tiny()).eval()
+    compiled = torch.compile(model, backend="kimi_cg", options={"debug_dir": str(tmp_path)})
+    with torch.no_grad():
+        pixel_values, grid = make_inputs([[8, 8], [6, 4], [2, 10]], 0)
+        assert_same_outputs(compiled(pixel_values, grid), model(pixel_values, grid))
+    code = [line for line in (last_lifted_graph(tmp_path) / "host_program.py").read_text().splitlines()
+            if not line.strip().startswith("#")]
+    assert sum(".tolist()" in line for line in code) == 1 and sum(".item()" in line for line in code) == 2
+
+
 def test_host_asserts_run_as_python_checks_once_per_condition():
     from kimi_cg.host_program import check_scalar, inline_scalar_asserts
 
