@@ -366,6 +366,10 @@ def merge_repeated_reads(gm: torch.fx.GraphModule) -> int:
                 or node.op == "call_method" and node.target in _PURE_METHODS)
         if not pure or not (_is_scalar(node, scalars) or _only_read(node, scalars)):
             continue
+        constants = []
+        torch.fx.node.map_aggregate((node.args, dict(node.kwargs)), constants.append)
+        if any(isinstance(c, torch.Tensor) for c in constants):
+            continue  # a tensor's repr elides its values: not a key
         # Nodes by identity, constants by repr (a slice is not hashable before Python 3.12).
         key = (node.op, node.target, repr(torch.fx.node.map_aggregate(node.args, _by_identity)),
                repr(torch.fx.node.map_aggregate(dict(node.kwargs), _by_identity)))
