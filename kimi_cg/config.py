@@ -32,6 +32,9 @@ MAX_BUCKETS_PER_DOUBLING = 64
 """Each bucket is captured separately (capture time, graph memory); 64 steps per doubling is a ratio
 of 1.011 between buckets, finer than padding ever needs."""
 
+MAX_EXACT_SIZE_GRAPHS = 1024
+"""Each exact-size graph keeps its input and output buffers alive."""
+
 MAX_BATCH_CACHE_SIZE = 1024
 """Each cached batch keeps its whole host pass (metadata for every item) alive."""
 
@@ -83,6 +86,12 @@ class KimiCGConfig:
     max_frames: int = 4
     """Most frames merged into one output row (the temporal-mean width of the gather plan)."""
 
+    exact_size_graphs: int = 8
+    """One-item sizes (one image, one segment) kept as CUDA graphs of their exact row count, made at
+    a size's third call and dropped least recently used first; their attention runs cuDNN's dense
+    kernel (NOTE [exact-size graphs] in runtime/graphs.py). 0 disables. Each holds its own input and
+    output buffers (a 128x128-patch image: ~60 MB in bf16); intermediates share the buckets' pool."""
+
     poison_graph_pool: bool = False
     """Testing aid: fill the CUDA-graph memory pool with NaN before capturing, so that any read of
     memory the graphs did not write shows up as NaN in the outputs (NOTE [padding rules])."""
@@ -119,6 +128,7 @@ class KimiCGConfig:
         _check_int("buckets_per_doubling", self.buckets_per_doubling, 1, MAX_BUCKETS_PER_DOUBLING)
         _check_int("max_items", self.max_items, 1, MAX_ITEMS)
         _check_int("max_frames", self.max_frames, 1, MAX_FRAMES)
+        _check_int("exact_size_graphs", self.exact_size_graphs, 0, MAX_EXACT_SIZE_GRAPHS)
         for name in ("poison_graph_pool", "strict"):
             if not isinstance(getattr(self, name), bool):
                 _reject(name, getattr(self, name), "True or False")

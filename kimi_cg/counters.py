@@ -15,6 +15,11 @@ Keys (missing keys read as 0):
   state_content_checks        state tensors compared with their snapshot (NOTE [state tokens])
   state_snapshots_taken       state tensors seen new or changed (a new token, a new snapshot)
   graph_replays, captures     CUDA-graph replays and captures (CUDA runtime)
+  exact_size_replays          of graph_replays, those of exact-size graphs (NOTE [exact-size graphs])
+  exact_size_captures         exact-size graphs captured (not in ``captures``: they are made at a size's
+                              third call, after any warm-up, by design)
+  exact_size_graphs_dropped   exact-size graphs dropped, least recently used first, to keep the limit
+  exact_size_graph_failures   graph sets whose exact-size graph could not be made (they are off since)
   padded_runs                 calls run padded in a bucket without a captured graph (no CUDA, or the
                               capture failed): the padded path without the replay
   eager_fallbacks             calls or items that ran the non-graphed device program

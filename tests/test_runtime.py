@@ -418,3 +418,49 @@ def test_device_programs_with_other_constant_tensors_do_not_share_a_hash():
     hashes = [structural_hash(torch.fx.symbolic_trace(AddsAConstant(value))) for value in (1, 1, 2)]
     assert hashes[0] == hashes[1]
     assert hashes[0] != hashes[2]
+
+
+def _graph_set_with_exact_graphs():
+    from kimi_cg.runtime.graphs import graph_sets
+
+    sets = [graphs for graphs in graph_sets() if graphs.exact or graphs.sightings]
+    assert len(sets) == 1
+    return sets[0]
+
+
+def test_a_repeated_one_item_size_gets_an_exact_size_graph():
+    """NOTE [exact-size graphs]: the third call of a one-item size runs a graph of exactly its rows
+    (a two-entry table [0, L], nothing padded), equal to eager; multi-item calls never do; the least
+    recently used size is dropped beyond the limit."""
+    torch.manual_seed(0)
+    model = KimiVLVisionEncoder(MoonVitConfig.tiny(attn_implementation="sdpa")).eval()
+    compiled = torch.compile(model, backend="kimi_cg", options={**OPTIONS, "exact_size_graphs": 2})
+    with torch.no_grad():
+        compiled(*inputs([[2, 2]], 0))  # dynamo's first trace
+        for seed, grid in enumerate([[[4, 6]], [[4, 6]], [[4, 6], [2, 2]], [[4, 6], [2, 2]], [[6, 4]], [[6, 4]]]):
+            assert_matches_eager(compiled, model, grid, seed)
+        graphs = _graph_set_with_exact_graphs()
+        assert list(graphs.exact) == [24]  # [[6, 4]] is 24 rows too: the same graph
+        bucket = graphs.exact[24]
+        table = next(value for value, rule in zip(bucket.inputs, graphs.rules) if rule.kind == "cu_seqlens")
+        assert table.tolist() == [0, 24] and bucket.capacity == 24
+        assert_matches_eager(compiled, model, [[8, 8]], 7)  # seen once: its bucket, no exact graph
+        assert list(graphs.exact) == [24]
+        assert_matches_eager(compiled, model, [[6, 4]], 8)  # 24 rows again: its graph is the most recent
+        for seed, grid in enumerate([[[8, 8]], [[2, 6]], [[2, 6]], [[8, 8]], [[2, 6]]]):
+            assert_matches_eager(compiled, model, grid, 10 + seed)
+        assert list(graphs.exact) == [64, 12]  # 24 was the least recently used of three
+    assert kimi_cg.counters["exact_size_graphs_dropped"] == 1
+    assert kimi_cg.counters["eager_fallbacks"] == 0
+
+
+def test_exact_size_graphs_off():
+    torch.manual_seed(0)
+    model = KimiVLVisionEncoder(MoonVitConfig.tiny(attn_implementation="sdpa")).eval()
+    compiled = torch.compile(model, backend="kimi_cg", options={**OPTIONS, "exact_size_graphs": 0})
+    with torch.no_grad():
+        for seed in range(3):
+            assert_matches_eager(compiled, model, [[4, 6]], seed)
+    from kimi_cg.runtime.graphs import graph_sets
+
+    assert all(not graphs.exact and not graphs.sightings for graphs in graph_sets())

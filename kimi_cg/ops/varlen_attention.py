@@ -9,8 +9,9 @@
 Implementations, chosen by the device of ``q``:
 - CPU: scaled-dot-product attention per segment (the reference semantics).
 - CUDA: many short segments (window attention, a bucket's dense segment table) run kimi_cg's
-  work-list kernel (NOTE [work list or flash]); the rest flash-attn's ``flash_attn_varlen_func`` when
-  that package imports, else ``torch.nn.attention.varlen.varlen_attn`` (torch's built-in flash kernel).
+  work-list kernel (NOTE [work list or flash]); one segment inside an exact-size graph runs cuDNN's
+  dense attention (NOTE [one segment on cuDNN]); the rest flash-attn's ``flash_attn_varlen_func``
+  when that package imports, else ``torch.nn.attention.varlen.varlen_attn`` (torch's flash kernel).
 - Meta/fake: an empty tensor shaped like ``q``, so dynamo and Inductor can trace calls.
 
 The op is opaque to Inductor (it schedules around it) and capturable in a CUDA graph as long as
@@ -23,6 +24,7 @@ import functools
 import inspect
 import logging
 import math
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -125,6 +127,58 @@ def varlen_attention_work_list(
     return work_list_attention(q, k, v, work, scale)
 
 
+# NOTE [one segment on cuDNN]
+# On the H200 (torch 2.11, cuDNN 9.19; docs/benchmarks.md, 2026-12-04) SDPA's cuDNN backend on one
+# dense segment [1, H, L, Dh] takes 0.55-0.71x the time of torch's flash kernel on the same rows, and
+# a CUDA graph captures it. But its first call at each new L builds a cuDNN plan (~80 ms, at every
+# head dim and size tried), and its packed-segment form builds one per call. So it runs only where a
+# size repeats by construction: while the CUDA-graph runtime prepares an exact-size graph of a
+# one-item call (NOTE [exact-size graphs] in kimi_cg/runtime/graphs.py), which builds the plan in its
+# warm-up runs and then replays the captured kernels. The runtime says so with
+# ``dense_single_segment(rows)``; the op then takes cuDNN only for a table of one segment over
+# exactly those rows (cu_seqlens [0, L] by the op's contract), in fp16/bf16, at a head dim cuDNN
+# takes; anything else, or a cuDNN that refuses the call, runs the paths below.
+_DENSE = threading.local()
+_CUDNN_REFUSED: set = set()  # (head dim, dtype) cuDNN refused once: not asked again
+
+
+class dense_single_segment:
+    """Context: one-segment attentions over ``rows`` rows may run cuDNN's dense kernel (NOTE [one
+    segment on cuDNN]). Only the CUDA-graph runtime's exact-size graphs set it."""
+
+    def __init__(self, rows: int):
+        self.rows = rows
+
+    def __enter__(self):
+        self.previous = getattr(_DENSE, "rows", None)
+        _DENSE.rows = self.rows
+
+    def __exit__(self, *exc):
+        _DENSE.rows = self.previous
+
+
+def _dense_cudnn(q, k, v, cu_seqlens, scale):
+    """cuDNN's dense attention over all of q's rows when NOTE [one segment on cuDNN] allows it, else None."""
+    head_dim = q.shape[-1]
+    if (getattr(_DENSE, "rows", None) != q.shape[0] or cu_seqlens.numel() != 2
+            or q.dtype not in (torch.float16, torch.bfloat16) or head_dim % 8 or head_dim > 128
+            or (head_dim, q.dtype) in _CUDNN_REFUSED):
+        return None
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    try:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), scale=scale
+            )
+    except RuntimeError as error:  # no cuDNN kernel for these inputs (its version, layout): flash runs them
+        _CUDNN_REFUSED.add((head_dim, q.dtype))
+        logger.info("kimi_cg.varlen_attention: cuDNN refused head dim %d %s (%s); flash runs it", head_dim, q.dtype,
+                    str(error).splitlines()[0] if str(error) else type(error).__name__)
+        return None
+    return out[0].transpose(0, 1).contiguous()  # [L, H, Dh], contiguous like the fake's empty_like(q)
+
+
 @functools.lru_cache(maxsize=1)
 def _torch_varlen_takes_scale() -> bool:
     """Whether this torch's ``varlen_attn`` has a ``scale`` argument (later versions do)."""
@@ -146,6 +200,9 @@ def varlen_attention(
         # Flash kernels take fp16/bf16 only; fp32 on CUDA runs masked SDPA (capturable).
         return varlen_attention_masked(q, k, v, cu_seqlens, scale)
     check_varlen_inputs(q, k, v, cu_seqlens)
+    dense = _dense_cudnn(q, k, v, cu_seqlens, scale)  # NOTE [one segment on cuDNN]
+    if dense is not None:
+        return dense
     cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32)
     flash_varlen = _flash_attn_varlen_func()
     if flash_varlen is not None:

@@ -32,6 +32,23 @@ over padding is then linear in C - L, not quadratic, and the work-list kernel th
 many segments (NOTE [work list or flash] in kimi_cg/ops/varlen_attention.py) launches one block per
 padding segment. Padding rows still only attend to padding rows.
 
+NOTE [exact-size graphs]
+A one-item call replayed in a bucket pays for its table: flash launches (C / 128) query blocks for
+each of the table's max_items + 1 segments, most of them empty (W1, one 32x32 image: 1.55 ms of
+attention over 27 layers, against 0.95 ms on the exact segment and 0.53 ms with cuDNN's dense kernel
+on the H200, docs/benchmarks.md). Single images are common and repeat (thumbnails, a fixed
+preprocessing size). So a call whose every boundary input is one segment [0, L] over all its rows
+gets a graph of its own at its third call of that L (EXACT_GRAPH_SIGHTINGS): capacity L, tables of
+two entries, nothing padded, its attention on cuDNN (NOTE [one segment on cuDNN] in kimi_cg/ops/varlen_attention.py; the
+warm-up runs before the capture build cuDNN's plan for L, ~80 ms, once). A size's first call replays
+its bucket as before (the earlier calls of a size replay its bucket), so a stream of sizes seen once
+or twice captures nothing: a capture costs about 100 ms (the cuDNN plan, two runs, the capture),
+which only sizes that recur pay back. At most
+``exact_size_graphs`` (config) such graphs are kept, the least recently used dropped; they share the
+buckets' pool. A graph that cannot be made (out of memory, a failed capture) turns them off for the
+program: its calls replay the buckets. Only tables the host made (read without a sync) and only
+programs whose every kimi_cg varlen attention takes such a table as is qualify.
+
 All buckets share one graph memory pool and are captured largest first (smaller graphs reuse the
 largest one's blocks). Without CUDA the same padded path runs without capture (CPU tests cover
 the padding and slicing logic; only the capture itself needs a GPU).
@@ -39,6 +56,7 @@ the padding and slicing logic; only the capture itself needs a GPU).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -54,17 +72,23 @@ from kimi_cg.capture import example_value
 from kimi_cg.counters import counters, timings
 from kimi_cg.device_program import DeviceProgram
 from kimi_cg.fallback import record_fallback
+from kimi_cg.ops.varlen_attention import dense_single_segment
 from kimi_cg.varlen_registry import argument, registered_bounds, registered_segments
 
 logger = logging.getLogger(__name__)
 
 _MERGE_GATHER = torch.ops.kimi_cg.merge_gather
 _MERGE_GATHER_LAYERNORM = torch.ops.kimi_cg.merge_gather_layernorm
+_VARLEN_ATTENTION = torch.ops.kimi_cg.varlen_attention
 # NOTE [segment tables]: a dense table holds a segment per this many rows of its bucket (window
 # attention's edge windows are smaller; a call of such windows picks a larger bucket); padding rows
 # go in segments of this many rows (the work-list kernel's query block).
 ROWS_PER_DENSE_SEGMENT = 16
 PADDING_SEGMENT_ROWS = 64
+# NOTE [exact-size graphs]: a one-item size gets its own graph at its EXACT_GRAPH_SIGHTINGS-th call;
+# sizes seen fewer times are counted, the count forgotten after MAX_SIGHTINGS sizes.
+EXACT_GRAPH_SIGHTINGS = 3
+MAX_SIGHTINGS = 4096
 
 
 def _packet(target):
@@ -297,6 +321,7 @@ class _Bucket:
         self.outputs: tuple = ()
         self.graph: torch.cuda.CUDAGraph | None = None
         self.padding_steps: torch.Tensor | None = None  # PADDING_SEGMENT_ROWS * (1, 2, ...): NOTE [segment tables]
+        self.graph_bytes = 0  # what its capture added to the graph pool
 
 
 def _indexes_leading_dim(index, node) -> bool:
@@ -311,7 +336,8 @@ class BucketedGraphs:
     """Runs a device program through padded per-bucket static buffers (CUDA graphs on CUDA)."""
 
     def __init__(self, program: DeviceProgram, rules: list[InputRule], buckets: tuple[int, ...], max_items: int,
-                 max_frames: int, capture: bool, poison_pool: bool = False, exact_rows: bool = False):
+                 max_frames: int, capture: bool, poison_pool: bool = False, exact_rows: bool = False,
+                 exact_graphs: int = 0):
         self.program = program
         self.rules = rules
         # Per-call loops skip the static inputs (the weights, hundreds of them): they need no copy.
@@ -335,6 +361,11 @@ class BucketedGraphs:
         self._hazard_checked = exact_rows
         self.exact_rows = exact_rows  # its program runs at its traced sizes only: never split (NOTE [splitting])
         self.buckets: dict[int, _Bucket] = {}
+        # NOTE [exact-size graphs]: one-item sizes seen often, most recently used last.
+        self.exact_limit = exact_graphs
+        self.exact: collections.OrderedDict[int, _Bucket] = collections.OrderedDict()
+        self.sightings: dict[int, int] = {}
+        self._exact_tables_checked: bool | None = None
         self.pool = None
         self.graph_bytes = 0
         # NOTE [concurrent calls]: the buckets' static buffers and the graph pool are shared by
@@ -398,6 +429,16 @@ class BucketedGraphs:
         """The smallest bucket this call fits, or None (then the caller runs the plain program)."""
         if self.never_padded or self.check_padding(inputs) is not None:
             return None
+        fit = self._fit(inputs)
+        if fit is None:
+            return None
+        needed, tables = fit
+        return next((c for c in self.capacities if c >= needed and (not self.group_index_positions or c % self.group == 0)
+                     and all(bounds <= self.segment_slots(i, c) for i, bounds in tables)), None)
+
+    def _fit(self, inputs) -> tuple[int, list[tuple[int, int]]] | None:
+        """(rows a bucket must hold, [(position, entries)] of the boundary inputs), or None when the
+        call cannot run padded at all."""
         rows = self._patches(inputs)
         needed = rows
         tables = []  # (position, boundaries): each must fit its bucket's table
@@ -423,8 +464,41 @@ class BucketedGraphs:
                 return None
         if self.group_index_positions and not self._index_in_range(inputs):
             return None
-        return next((c for c in self.capacities if c >= needed and (not self.group_index_positions or c % self.group == 0)
-                     and all(bounds <= self.segment_slots(i, c) for i, bounds in tables)), None)
+        return needed, tables
+
+    def choose_exact(self, inputs) -> int | None:
+        """NOTE [exact-size graphs]: the rows of this call when it runs (or, from this call, will run)
+        an exact-size graph of its own; None otherwise."""
+        if not self.exact_limit or self.exact_rows or self.never_padded or self.check_padding(inputs) is not None:
+            return None
+        fit = self._fit(inputs)
+        rows = self._patches(inputs)
+        if fit is None or fit[0] != rows or not fit[1] or any(entries != 2 for _, entries in fit[1]):
+            return None
+        if any(inputs[i].device.type != "cpu" or inputs[i].tolist() != [0, rows] for i, _ in fit[1]):
+            return None  # only host-made tables are read here (a device one would cost a sync)
+        if not self._tables_are_inputs():
+            return None
+        with self.lock:
+            if rows in self.exact:
+                self.exact.move_to_end(rows)
+                return rows
+            if len(self.sightings) >= MAX_SIGHTINGS:
+                self.sightings.clear()
+            self.sightings[rows] = self.sightings.get(rows, 0) + 1
+            return rows if self.sightings[rows] >= EXACT_GRAPH_SIGHTINGS else None
+
+    def _tables_are_inputs(self) -> bool:
+        """Every kimi_cg varlen attention of the program takes a boundary input as its table, so
+        that inside an exact-size graph every one-segment table is [0, L] (NOTE [one segment on cuDNN])."""
+        if self._exact_tables_checked is None:
+            gm = getattr(self.program, "gm", None)
+            placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"] if gm is not None else []
+            tables = {node for node, rule in zip(placeholders, self.rules) if rule.kind == "cu_seqlens"}
+            calls = [n for n in gm.graph.nodes if n.op == "call_function" and _packet(n.target) is _VARLEN_ATTENTION] \
+                if gm is not None else []
+            self._exact_tables_checked = gm is not None and all(argument(n, 3, "cu_seqlens") in tables for n in calls)
+        return self._exact_tables_checked
 
     def segment_slots(self, position: int, capacity: int) -> int:
         """Segments (real and padding) the boundary input at ``position`` holds in a bucket of
@@ -570,7 +644,7 @@ class BucketedGraphs:
         return blocks
 
     # -- static buffers ---------------------------------------------------------------------------
-    def _allocate(self, capacity: int, inputs) -> list:
+    def _allocate(self, capacity: int, inputs, exact: bool = False) -> list:
         # Every buffer lives on the activations' device, whatever device the host pass produced a
         # value on (cu_seqlens from a host-side grid is a CPU tensor): a graph cannot copy from
         # pageable host memory during capture, and _fill does that copy before each replay.
@@ -590,7 +664,8 @@ class BucketedGraphs:
             elif rule.kind == "fixed":
                 static.append(torch.zeros(rule.shape, dtype=value.dtype, device=device))
             elif rule.kind == "cu_seqlens":
-                buffer = torch.full((self.segment_slots(position, capacity) + 1,), capacity, dtype=torch.int32, device=device)
+                slots = 1 if exact else self.segment_slots(position, capacity)
+                buffer = torch.full((slots + 1,), capacity, dtype=torch.int32, device=device)
                 buffer[0] = 0
                 static.append(buffer)
             elif rule.kind == "plan_index":
@@ -692,8 +767,9 @@ class BucketedGraphs:
         """The bucket's padded buffers, with the call's own weights in the static positions."""
         return [inputs[i] if value is None else value for i, value in enumerate(bucket.inputs)]
 
-    def _capture(self, bucket: _Bucket, inputs) -> None:
+    def _capture(self, bucket: _Bucket, inputs, exact: bool = False) -> None:
         arguments = self._arguments(bucket, inputs)
+        dense = dense_single_segment(bucket.capacity if exact else -1)  # NOTE [one segment on cuDNN]
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
             if self.poison_pool:
@@ -701,16 +777,17 @@ class BucketedGraphs:
         before = torch.cuda.memory_allocated()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # compile, autotune and allocator warm-up stay out of the graph
+        with torch.cuda.stream(stream), dense:
+            for _ in range(2):  # compile, autotune, cuDNN plans and allocator warm-up stay out of the graph
                 self.program(*arguments)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool), dense:
             bucket.outputs = tuple(self.program(*arguments))
         bucket.graph = graph
-        self.graph_bytes += max(0, torch.cuda.memory_allocated() - before)
-        counters["captures"] += 1
+        bucket.graph_bytes = max(0, torch.cuda.memory_allocated() - before)
+        self.graph_bytes += bucket.graph_bytes
+        counters["exact_size_captures" if exact else "captures"] += 1
 
     def _fill_pool_with_nan(self, inputs) -> None:
         """Capture and replay a graph that fills (and frees) a large block of the pool with NaN; the
@@ -725,13 +802,15 @@ class BucketedGraphs:
         graph.replay()
         torch.cuda.synchronize()
 
-    def run(self, inputs, capacity: int):
-        """Replay the bucket of ``capacity`` on these inputs; None when that bucket was dropped
-        (NOTE [memory pressure]): the caller then chooses again or runs the plain program."""
+    def run(self, inputs, capacity: int, exact: bool = False):
+        """Replay the bucket of ``capacity`` on these inputs (with ``exact``, the exact-size graph of
+        that many rows, made at its first use: NOTE [exact-size graphs]); None when that bucket was
+        dropped (NOTE [memory pressure]) or the exact-size graph could not be made: the caller then
+        chooses again or runs the plain program."""
         rows = self.program.output_rows(inputs)
         with self.lock:  # NOTE [concurrent calls]
             self.prepare(inputs)
-            bucket = self.buckets.get(capacity)
+            bucket = self._exact_bucket(capacity, inputs) if exact else self.buckets.get(capacity)
             if bucket is None:
                 return None
             if self._last_use is not None:
@@ -741,8 +820,11 @@ class BucketedGraphs:
                 bucket.graph.replay()
                 outputs = bucket.outputs
                 counters["graph_replays"] += 1
+                if exact:
+                    counters["exact_size_replays"] += 1
             else:
-                outputs = tuple(self.program(*self._arguments(bucket, inputs)))
+                with dense_single_segment(capacity if exact else -1):
+                    outputs = tuple(self.program(*self._arguments(bucket, inputs)))
                 counters["padded_runs"] += 1
             results = tuple(
                 out[:n].clone() if isinstance(out, torch.Tensor) and n is not None else out for out, n in zip(outputs, rows)
@@ -752,9 +834,43 @@ class BucketedGraphs:
                 self._last_use.record()
             return results
 
+    def _exact_bucket(self, rows: int, inputs) -> _Bucket | None:
+        """NOTE [exact-size graphs]: the graph of one-item calls of ``rows`` rows, made (and the least
+        recently used one dropped) when new; None when it cannot be made (exact-size graphs then stop)."""
+        bucket = self.exact.get(rows)
+        if bucket is not None:
+            return bucket
+        bucket = _Bucket(rows)
+        start = time.perf_counter()
+        try:
+            with torch.inference_mode(False), torch.no_grad():
+                bucket.inputs = self._allocate(rows, inputs, exact=True)
+                bucket.padding_steps = torch.zeros(0, dtype=torch.int32, device=self._device(inputs))
+                if self.capture:
+                    self._capture(bucket, inputs, exact=True)
+        except Exception as error:  # noqa: BLE001 - out of memory, or cuDNN's kernels would not capture
+            del bucket
+            self.exact_limit, self.exact = 0, collections.OrderedDict()
+            if self.capture and torch.cuda.is_available():
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+            counters["exact_size_graph_failures"] += 1
+            record_fallback("exact-size graph failed", f"one-item call of {rows} patches",
+                            f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
+                            "exact-size graphs are off for this device program; its calls replay the buckets")
+            return None
+        timings["capture"] += time.perf_counter() - start
+        self.exact[rows] = bucket
+        self.sightings.pop(rows, None)
+        while len(self.exact) > self.exact_limit:
+            _, dropped = self.exact.popitem(last=False)
+            self.graph_bytes -= dropped.graph_bytes
+            counters["exact_size_graphs_dropped"] += 1
+        return bucket
+
     def memory(self) -> tuple[str, int, int]:
         """(device, bytes the captures added to the graph pool, bytes of static input buffers)."""
-        static = sum(value.numel() * value.element_size() for bucket in self.buckets.values()
+        static = sum(value.numel() * value.element_size() for bucket in (*self.buckets.values(), *self.exact.values())
                      for value in bucket.inputs if isinstance(value, torch.Tensor))
         device = next((str(v.device) for b in self.buckets.values() for v in b.inputs if isinstance(v, torch.Tensor)), "none")
         return device, self.graph_bytes, static

@@ -201,7 +201,14 @@ class LiftedRunner:
         return self.device(*device_args)
 
     def _replay(self, graphs, device_args, record=None):
-        """The call replayed in the smallest bucket that holds it, or None."""
+        """The call replayed in its exact-size graph (NOTE [exact-size graphs] in runtime/graphs.py) or
+        in the smallest bucket that holds it, or None."""
+        rows = graphs.choose_exact(device_args)
+        result = graphs.run(device_args, rows, exact=True) if rows is not None else None
+        if result is not None:
+            _note(record, path="replay", bucket=f"exact {rows}", rows=rows, padding=0)
+            self._report_graphs(graphs)
+            return result
         capacity = graphs.choose(device_args)
         if capacity is None:
             return None

@@ -122,8 +122,9 @@ def assert_matches_eager(
     - Counter expectations: ``no_graph_breaks``; ``no_fallbacks`` (no lift, call or frame fallback on
       any example, and no eager fallback on an example within the buckets of ``options``, by default
       the options ``compiled`` was compiled with);
-      ``no_compiles_after_warm_up`` (no device compile and no capture after the ``warm_up`` batches,
-      which run first and are checked like the rest); ``expect(grid, changes)``: your own check, given
+      ``no_compiles_after_warm_up`` (no device compile and no bucket capture after the ``warm_up``
+      batches, which run first and are checked like the rest; exact-size graphs of repeated one-item
+      sizes are made later by design and counted apart, ``exact_size_captures``); ``expect(grid, changes)``: your own check, given
       the grid and the ``kimi_cg.counters`` changes of its compiled call (an AssertionError it raises
       fails the example like a mismatch, shrunk and reported with the grid).
     Returns a :class:`FuzzReport`; raises :class:`MismatchError` on the first (shrunk) failure.
