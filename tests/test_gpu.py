@@ -97,6 +97,25 @@ def test_graph_replays_match_eager_bf16(tower, size, count):
             captures_after_warm_up=counters.get("captures", 0) - warm.get("captures", 0))
 
 
+def test_repeated_single_images_replay_exact_size_graphs_bf16():
+    """NOTE [exact-size graphs]: real-size MoonViT, single images repeated; from a size's third call
+    it replays a graph of its exact rows with cuDNN attention, in a NaN-poisoned pool, within the
+    bf16 rule against an fp32 reference. Multi-image calls in between keep replaying buckets."""
+    torch.manual_seed(0)
+    reference = MoonVitPretrainedModel(MoonVitConfig()).cuda().eval()  # fp32
+    model = copy.deepcopy(reference).to(torch.bfloat16)
+    compiled = torch.compile(model, backend="kimi_cg", options={"poison_graph_pool": True})
+    sizes = [[32, 32], [16, 16], [30, 46], [64, 64], [128, 128]]
+    grids = [[size] for size in sizes for _ in range(4)] + [[[32, 32], [16, 16]], [[30, 46], [64, 64]]]
+    report = kimi_cg.testing.assert_matches_eager(model, compiled, pixel_inputs("cuda", torch.bfloat16), grids,
+                                                  reference=reference, no_fallbacks=True)
+    counters = dict(kimi_cg.counters)
+    _record("moonvit-real-exact-size", report, counters)
+    assert counters.get("exact_size_captures", 0) == len(sizes), counters
+    assert counters.get("exact_size_replays", 0) == 2 * len(sizes), counters  # the third and fourth call of each
+    assert counters.get("exact_size_graph_failures", 0) == 0, counters
+
+
 # Frame counts per item in the fuzz: transformers 5.17's Kimi-K2.5 temporal merger needs one t per batch
 # (images only); GLM-4V takes one [1, h, w] row per frame; the Qwen towers take 2-temporal-patch
 # videos. Qwen2.5-VL's first calls run eagerly and then unpadded while its forward is traced (NOTE

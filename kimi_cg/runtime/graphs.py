@@ -466,16 +466,18 @@ class BucketedGraphs:
             return None
         return needed, tables
 
-    def choose_exact(self, inputs) -> int | None:
+    def choose_exact(self, inputs, host_side: dict | None = None) -> int | None:
         """NOTE [exact-size graphs]: the rows of this call when it runs (or, from this call, will run)
-        an exact-size graph of its own; None otherwise."""
+        an exact-size graph of its own; None otherwise. ``host_side``: input position -> the host
+        tensor an input was copied from (the runner moves host-made tables to the activations' device)."""
         if not self.exact_limit or self.exact_rows or self.never_padded or self.check_padding(inputs) is not None:
             return None
         fit = self._fit(inputs)
         rows = self._patches(inputs)
         if fit is None or fit[0] != rows or not fit[1] or any(entries != 2 for _, entries in fit[1]):
             return None
-        if any(inputs[i].device.type != "cpu" or inputs[i].tolist() != [0, rows] for i, _ in fit[1]):
+        tables = [(host_side or {}).get(i, inputs[i]) for i, _ in fit[1]]
+        if any(table.device.type != "cpu" or table.tolist() != [0, rows] for table in tables):
             return None  # only host-made tables are read here (a device one would cost a sync)
         if not self._tables_are_inputs():
             return None

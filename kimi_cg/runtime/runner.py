@@ -164,13 +164,15 @@ class LiftedRunner:
         # precomputed (program, index) pairs keeps this loop cheap (hundreds of inputs per call).
         device_args = [args[i] if program == "arg" else host[i] if program == "host" else i
                        for program, i in self.device_plan]
+        host_side = {}  # host values moved to the activations' device, as the host pass made them
         if self.activation_index is not None:
             target = args[self.activation_index].device
             for position in self.host_positions:
                 value = device_args[position]
                 if isinstance(value, torch.Tensor) and value.device != target:
+                    host_side[position] = value
                     device_args[position] = value.to(target, non_blocking=True)
-        results["device"] = self._run_device(device_args, record)
+        results["device"] = self._run_device(device_args, record, host_side)
         if self.post_refs or self.lifted.post.outputs:
             results["post"] = self.lifted.post.gm(*(self._resolve(ref, args, results) for ref in self.post_refs))
         outputs = [self._resolve(ref, args, results) for ref in self.output_refs]
@@ -178,12 +180,12 @@ class LiftedRunner:
             _copy_keeping_aliases(outputs, self.copied_outputs)
         return tuple(outputs)
 
-    def _run_device(self, device_args, record=None):
+    def _run_device(self, device_args, record=None, host_side=None):
         if self.graphs_for is not None:
             # Looked up per call: dynamo shares one compiled graph between instances of a module
             # class (weights are inputs), while captured graphs belong to one set of weights.
             self.graphs = graphs = self.graphs_for(device_args)  # self.graphs: the latest, for reports only
-            result = self._replay(graphs, device_args, record)
+            result = self._replay(graphs, device_args, record, host_side)
             if result is not None:
                 return result
             split = self._run_split(graphs, device_args, record)
@@ -200,10 +202,10 @@ class LiftedRunner:
             _note(record, path="plain program", reason="CUDA graphs off")
         return self.device(*device_args)
 
-    def _replay(self, graphs, device_args, record=None):
+    def _replay(self, graphs, device_args, record=None, host_side=None):
         """The call replayed in its exact-size graph (NOTE [exact-size graphs] in runtime/graphs.py) or
         in the smallest bucket that holds it, or None."""
-        rows = graphs.choose_exact(device_args)
+        rows = graphs.choose_exact(device_args, host_side or {})
         result = graphs.run(device_args, rows, exact=True) if rows is not None else None
         if result is not None:
             _note(record, path="replay", bucket=f"exact {rows}", rows=rows, padding=0)
