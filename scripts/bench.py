@@ -172,7 +172,8 @@ def compile_count(name: str, system=None) -> int:
 
 
 def replay_only_ms(capacity_hint: int) -> float | None:
-    """Median replay time of the captured bucket that serves `capacity_hint` patches."""
+    """Median replay time of the graph that serves a one-image call of `capacity_hint` patches: its
+    exact-size graph once made (NOTE [exact-size graphs]), else its bucket's."""
     from kimi_cg.runtime.runner import live_runners
 
     for runner in live_runners():
@@ -180,7 +181,7 @@ def replay_only_ms(capacity_hint: int) -> float | None:
         if graphs is None:
             continue
         capacity = next((c for c in graphs.capacities if c >= capacity_hint), None)
-        bucket = graphs.buckets.get(capacity)
+        bucket = getattr(graphs, "exact", {}).get(capacity_hint) or graphs.buckets.get(capacity)
         if bucket is None or bucket.graph is None:
             continue
         times = []
