@@ -239,6 +239,25 @@ def test_bucketed_path_matches_eager(tower_name, tmp_path):
     assert not over, over
 
 
+@pytest.mark.parametrize("tower_name", ["kimi_k25", "qwen2_vl", "glm4v", "qwen3_vl"])
+def test_a_repeated_single_image_runs_an_exact_size_graph(tower_name):
+    """NOTE [exact-size graphs] on transformers' towers (grids on the host): from a one-image size's
+    third call its calls run a graph of exactly its rows, equal to eager."""
+    from kimi_cg.runtime.graphs import graph_sets
+
+    tower = build_tower(TRANSFORMERS_FACTORIES[tower_name], "sdpa")
+    compiled = torch.compile(tower.model, backend="kimi_cg", options=BUCKET_OPTIONS)
+    for grid in [[[1, 4, 6]]] + [[[1, 8, 6]]] * 4 + [[[1, 4, 6], [1, 8, 6]]]:
+        args = tower.make_inputs(grid)
+        with torch.no_grad():
+            want = tower.extract_outputs(tower.model(*args))
+            got = tower.extract_outputs(compiled(*args))
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and relative_error(g, w) <= RELATIVE_TOLERANCE, grid
+    assert [list(graphs.exact) for graphs in graph_sets() if graphs.exact] == [[48]], dict(kimi_cg.counters)
+    assert kimi_cg.counters["eager_fallbacks"] == kimi_cg.counters["call_fallbacks"] == 0, dict(kimi_cg.counters)
+
+
 def test_a_first_symbolic_call_with_one_merged_row_does_not_fix_later_output_sizes():
     """Found by the H200's bf16 fuzz of Qwen2-VL (and reproduced on CPU): the device program's output
     rows were derived once, at the first call traced with symbolic sizes; that call had one merged row,

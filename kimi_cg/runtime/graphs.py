@@ -478,7 +478,10 @@ class BucketedGraphs:
             return None
         tables = [(host_side or {}).get(i, inputs[i]) for i, _ in fit[1]]
         if any(table.device.type != "cpu" or table.tolist() != [0, rows] for table in tables):
-            return None  # only host-made tables are read here (a device one would cost a sync)
+            # Only host-made tables are read here. A table the host pass made on the GPU (a grid kept
+            # there, as transformers' towers are called) would cost a copy to read: not yet measured
+            # on the H200, so those calls replay their buckets.
+            return None
         if not self._tables_are_inputs():
             return None
         with self.lock:
