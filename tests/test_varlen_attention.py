@@ -175,3 +175,49 @@ def test_masked_path_matches_per_segment_reference(lengths):
     cu_seqlens = torch.tensor(list(itertools.accumulate(lengths, initial=0)), dtype=torch.int32)
     torch.testing.assert_close(varlen_attention_masked(q, k, v, cu_seqlens), varlen_attention_reference(q, k, v, cu_seqlens),
                                rtol=1e-5, atol=1e-6)
+
+
+def test_one_segment_takes_cudnn_only_inside_an_exact_size_context(monkeypatch):
+    """NOTE [one segment on cuDNN]: the gate, checked without a GPU (the dense call is stubbed): only
+    a two-entry table over exactly the context's rows, half precision, a head dim cuDNN takes."""
+    import sys
+
+    module = sys.modules["kimi_cg.ops.varlen_attention"]  # (the package's name for the op shadows the module)
+    calls = []
+    monkeypatch.setattr(module.F, "scaled_dot_product_attention",
+                        lambda q, k, v, scale=None: calls.append(q.shape) or torch.zeros_like(q))
+    generator = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(24, 2, 8, generator=generator).bfloat16() for _ in range(3))  # [L, H, Dh]: head dim 8
+    one, two = _cu_seqlens([24]), _cu_seqlens([10, 14])
+    assert module._dense_cudnn(q, k, v, one, None) is None  # no context
+    with module.dense_single_segment(23):
+        assert module._dense_cudnn(q, k, v, one, None) is None  # other rows
+    with module.dense_single_segment(24):
+        assert module._dense_cudnn(q, k, v, two, None) is None  # two segments
+        assert module._dense_cudnn(q.float(), k.float(), v.float(), one, None) is None  # fp32
+        odd = [t.reshape(24, 4, 4) for t in (q, k, v)]
+        assert module._dense_cudnn(*odd, one, None) is None  # head dim 4: not a multiple of 8
+        with module.dense_single_segment(-1):
+            assert module._dense_cudnn(q, k, v, one, None) is None  # an inner context rules
+        out = module._dense_cudnn(q, k, v, one, 0.5)
+    assert calls == [(1, 2, 24, 8)] and out.shape == q.shape and out.is_contiguous()
+    assert module._dense_cudnn(q, k, v, one, None) is None  # the context is gone
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows, heads, head_dim", [(17, 16, 72), (1000, 16, 72), (3500, 16, 80), (1024, 12, 128)])
+def test_cuda_one_segment_on_cudnn_matches_the_reference(rows, heads, head_dim):
+    import sys
+
+    module = sys.modules["kimi_cg.ops.varlen_attention"]
+    generator = torch.Generator().manual_seed(rows)
+    q, k, v = (torch.randn(rows, heads, head_dim, generator=generator).bfloat16() for _ in range(3))
+    cu_seqlens = _cu_seqlens([rows])
+    reference = _naive_attention(q, k, v, cu_seqlens, torch.float64)
+    plain_error = _max_error(_naive_attention(q, k, v, cu_seqlens, torch.bfloat16), reference)
+    with module.dense_single_segment(rows):
+        dense = module._dense_cudnn(q.cuda(), k.cuda(), v.cuda(), cu_seqlens.cuda(), None)
+        through_op = torch.ops.kimi_cg.varlen_attention(q.cuda(), k.cuda(), v.cuda(), cu_seqlens.cuda(), rows)
+    assert dense is not None and dense.is_contiguous() and dense.shape == q.shape
+    assert _max_error(dense.cpu(), reference) <= 2 * plain_error + 2**-9
+    assert torch.equal(through_op, dense)
