@@ -96,6 +96,8 @@ def _device_ops(graphs: list, calls: list) -> list[str]:
 
 def _describe_path(call: dict) -> str:
     path = call.get("path", "?")
+    if path == "replay" and call.get("exact"):
+        return f"replay of the exact-size graph of {call.get('bucket')} rows"
     if path == "replay":
         return f"replay of bucket {call.get('bucket')}"
     if path == "split":

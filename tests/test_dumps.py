@@ -464,3 +464,22 @@ def test_a_dump_stays_at_least_3x_smaller_than_full_graphs_per_pass(tmp_path):
     assert received > 0 and all((Path(g["path"]) / "00_dynamo_graph.py").is_file() for g in graphs)
     assert total / received <= SIZE_BEFORE_OVER_GRAPHS / 3, (
         f"{total / 1e6:.2f} MB in {len(files)} files, {total / received:.2f} times the graphs received")
+
+
+def test_the_report_counts_exact_size_replays(tmp_path, capsys):
+    """NOTE [exact-size graphs]: a call record of an exact-size replay names its rows and no padding;
+    the report (python -m kimi_cg.report) reads it like a bucket's."""
+    from kimi_cg.report import main
+
+    torch.manual_seed(0)
+    model = MoonVitPretrainedModel(MoonVitConfig.tiny()).eval()
+    compiled = torch.compile(model, backend="kimi_cg", options={"debug_dir": str(tmp_path), "cuda_graphs": True,
+                                                                "token_budgets": [256]})
+    with torch.no_grad():
+        for grid in ([[2, 2]], [[4, 6]], [[4, 6]], [[4, 6]], [[4, 6]], [[4, 6], [2, 2]]):
+            grid_tensor = torch.tensor(grid)
+            compiled(torch.randn(int(grid_tensor.prod(-1).sum()), 3, 14, 14), grid_tensor)
+    assert main([str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "replay of the exact-size graph of 24 rows" in text and "replay of bucket 256" in text, text
+    assert "padding in replays" in text, text

@@ -18,7 +18,8 @@ With ``debug_dir`` (option or ``KIMI_CG_DEBUG_DIR``)::
                                                        could not run (the captured graph ran it)
         calls.jsonl                                    one record per call (NOTE [call records]): the
                                                        graph's compile id, replay of which bucket with
-                                                       how much padding, split parts, plain program or
+                                                       how much padding (``exact``: an exact-size graph
+                                                       of ``bucket`` rows), split parts, plain program or
                                                        captured graph and why, host and total ms
         device_programs/<key>.py                       each device program once (graphs share them)
 

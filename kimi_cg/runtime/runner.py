@@ -208,7 +208,7 @@ class LiftedRunner:
         rows = graphs.choose_exact(device_args, host_side or {})
         result = graphs.run(device_args, rows, exact=True) if rows is not None else None
         if result is not None:
-            _note(record, path="replay", bucket=f"exact {rows}", rows=rows, padding=0)
+            _note(record, path="replay", bucket=rows, exact=True, rows=rows, padding=0)
             self._report_graphs(graphs)
             return result
         capacity = graphs.choose(device_args)
