@@ -420,18 +420,20 @@ def test_device_programs_with_other_constant_tensors_do_not_share_a_hash():
     assert hashes[0] != hashes[2]
 
 
-def _graph_set_with_exact_graphs():
+def _new_graph_sets(earlier):
+    """The graph sets made since ``earlier`` (those of earlier tests may still be alive)."""
     from kimi_cg.runtime.graphs import graph_sets
 
-    sets = [graphs for graphs in graph_sets() if graphs.exact or graphs.sightings]
-    assert len(sets) == 1
-    return sets[0]
+    return [graphs for graphs in graph_sets() if not any(graphs is old for old in earlier)]
 
 
 def test_a_repeated_one_item_size_gets_an_exact_size_graph():
     """NOTE [exact-size graphs]: the third call of a one-item size runs a graph of exactly its rows
     (a two-entry table [0, L], nothing padded), equal to eager; multi-item calls never do; the least
     recently used size is dropped beyond the limit."""
+    from kimi_cg.runtime.graphs import graph_sets
+
+    earlier = list(graph_sets())
     torch.manual_seed(0)
     model = KimiVLVisionEncoder(MoonVitConfig.tiny(attn_implementation="sdpa")).eval()
     compiled = torch.compile(model, backend="kimi_cg", options={**OPTIONS, "exact_size_graphs": 2})
@@ -439,7 +441,7 @@ def test_a_repeated_one_item_size_gets_an_exact_size_graph():
         compiled(*inputs([[2, 2]], 0))  # dynamo's first trace
         for seed, grid in enumerate([[[4, 6]], [[4, 6]], [[4, 6], [2, 2]], [[4, 6], [2, 2]], [[6, 4]], [[6, 4]]]):
             assert_matches_eager(compiled, model, grid, seed)
-        graphs = _graph_set_with_exact_graphs()
+        (graphs,) = [graphs for graphs in _new_graph_sets(earlier) if graphs.exact]
         assert list(graphs.exact) == [24]  # [[6, 4]] is 24 rows too: the same graph
         bucket = graphs.exact[24]
         table = next(value for value, rule in zip(bucket.inputs, graphs.rules) if rule.kind == "cu_seqlens")
@@ -455,12 +457,14 @@ def test_a_repeated_one_item_size_gets_an_exact_size_graph():
 
 
 def test_exact_size_graphs_off():
+    from kimi_cg.runtime.graphs import graph_sets
+
+    earlier = list(graph_sets())
     torch.manual_seed(0)
     model = KimiVLVisionEncoder(MoonVitConfig.tiny(attn_implementation="sdpa")).eval()
     compiled = torch.compile(model, backend="kimi_cg", options={**OPTIONS, "exact_size_graphs": 0})
     with torch.no_grad():
-        for seed in range(3):
+        for seed in range(4):
             assert_matches_eager(compiled, model, [[4, 6]], seed)
-    from kimi_cg.runtime.graphs import graph_sets
-
-    assert all(not graphs.exact and not graphs.sightings for graphs in graph_sets())
+    new = _new_graph_sets(earlier)
+    assert new and all(not graphs.exact and not graphs.sightings for graphs in new)
