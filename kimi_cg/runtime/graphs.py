@@ -39,13 +39,12 @@ attention over 27 layers, against 0.95 ms on the exact segment and 0.53 ms with 
 on the H200, docs/benchmarks.md). Single images are common and repeat (thumbnails, a fixed
 preprocessing size). So a call whose every boundary input is one segment [0, L] over all its rows
 gets a graph of its own at its third call of that L (EXACT_GRAPH_SIGHTINGS): capacity L, tables of
-two entries, nothing padded, its attention on cuDNN (NOTE [one segment on cuDNN] in kimi_cg/ops/varlen_attention.py; the
-warm-up runs before the capture build cuDNN's plan for L, ~80 ms, once). A size's first call replays
-its bucket as before (the earlier calls of a size replay its bucket), so a stream of sizes seen once
-or twice captures nothing: a capture costs about 100 ms (the cuDNN plan, two runs, the capture),
-which only sizes that recur pay back. At most
-``exact_size_graphs`` (config) such graphs are kept, the least recently used dropped; they share the
-buckets' pool. A graph that cannot be made (out of memory, a failed capture) turns them off for the
+two entries, nothing padded, its attention on cuDNN (NOTE [one segment on cuDNN] in
+kimi_cg/ops/varlen_attention.py; the warm-up runs before the capture build cuDNN's plan for L, ~80
+ms, once). A size's first two calls replay its bucket as before, so a stream of sizes seen once or
+twice captures nothing: making a graph costs 70-400 ms on the H200 (the cuDNN plan, two runs, the
+capture), which only sizes that recur pay back. At most ``exact_size_graphs`` (config) such graphs
+are kept, the least recently used dropped; they share the buckets' pool. A graph that cannot be made (out of memory, a failed capture) turns them off for the
 program: its calls replay the buckets. Only tables the host made (read without a sync) and only
 programs whose every kimi_cg varlen attention takes such a table as is qualify.
 
