@@ -203,6 +203,21 @@ def test_one_segment_takes_cudnn_only_inside_an_exact_size_context(monkeypatch):
     assert calls == [(1, 2, 24, 8)] and out.shape == q.shape and out.is_contiguous()
     assert module._dense_cudnn(q, k, v, one, None) is None  # the context is gone
 
+    def refuse(*args, **kwargs):
+        raise RuntimeError("No available kernel")
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(module, "_CUDNN_REFUSED", set())
+    with module.dense_single_segment(24):
+        monkeypatch.setattr(module.F, "scaled_dot_product_attention", out_of_memory)
+        with pytest.raises(torch.OutOfMemoryError):  # not a refusal: memory pressure is the runtime's to handle
+            module._dense_cudnn(q, k, v, one, None)
+        monkeypatch.setattr(module.F, "scaled_dot_product_attention", refuse)
+        assert module._dense_cudnn(q, k, v, one, None) is None  # refused: flash runs it, and cuDNN is not asked again
+        assert module._CUDNN_REFUSED == {(8, torch.bfloat16)}
+
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("rows, heads, head_dim", [(17, 16, 72), (1000, 16, 72), (3500, 16, 80), (1024, 12, 128)])

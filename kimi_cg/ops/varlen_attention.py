@@ -171,6 +171,8 @@ def _dense_cudnn(q, k, v, cu_seqlens, scale):
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), scale=scale
             )
+    except torch.OutOfMemoryError:
+        raise  # not a refusal: the runtime's memory-pressure handling decides (NOTE [memory pressure])
     except RuntimeError as error:  # no cuDNN kernel for these inputs (its version, layout): flash runs them
         _CUDNN_REFUSED.add((head_dim, q.dtype))
         logger.info("kimi_cg.varlen_attention: cuDNN refused head dim %d %s (%s); flash runs it", head_dim, q.dtype,
