@@ -260,19 +260,19 @@ def read_grids_once(gm: torch.fx.GraphModule, grid_placeholders: set[torch.fx.No
                    or node.op == "call_function" and node.target is torch.ops.aten._local_scalar_dense.default)
         if not is_read or len(node.args) != 1:
             continue
-        indices, source, chain = [], node.args[0], []
-        while isinstance(source, torch.fx.Node) and source.op == "call_function" and source.target is operator.getitem:
-            indices.append(source.args[1])
-            chain.append(source)
-            source = source.args[0]
-        if source not in grid_placeholders or not 1 <= len(indices) <= 2 or not all(type(i) is int for i in indices):
+        path = _grid_list_path(node.args[0], grid_placeholders, tensor_chain=True)  # [i] or [i, j]
+        if not path or len(path) > 2 or not all(type(i) is int for i in path):
             continue
+        chain = [node.args[0]]  # the indexing nodes, innermost first
+        while len(chain) < len(path):
+            chain.append(chain[-1].args[0])
+        source = chain[-1].args[0]
         if source not in lists:
             with graph.inserting_after(source):
                 lists[source] = graph.call_method("tolist", (source,))
         value = lists[source]
         with graph.inserting_before(node):
-            for index in reversed(indices):  # grid[i][j]: the outer index first
+            for index in path:  # grid[i][j]: the outer index first
                 value = graph.call_function(operator.getitem, (value, index))
         value.meta.update(node.meta)  # the symbol it stands for, to name it in errors
         node.replace_all_uses_with(value)
@@ -297,21 +297,20 @@ def read_grids_once(gm: torch.fx.GraphModule, grid_placeholders: set[torch.fx.No
 # collapse into one per condition (``inline_scalar_asserts``). A node some user writes in place,
 # and every operation outside that set (allocations, random numbers, in-place ops, module calls,
 # checks), is never merged.
-_PURE_FUNCTIONS = frozenset({
+# Operations whose result is always a Python scalar, then the rest of the side-effect-free set.
+_SCALAR_FUNCTIONS = frozenset({torch.ops.aten._local_scalar_dense.default, torch.ops.aten.sym_size.int, torch.sym_not,
+                               torch.sym_max, torch.sym_min, torch.sym_sum})
+_SCALAR_METHODS = frozenset({"item", "size", "dim", "numel"})
+_PURE_FUNCTIONS = _SCALAR_FUNCTIONS | {
     operator.getitem, operator.add, operator.sub, operator.mul, operator.floordiv, operator.truediv,
     operator.mod, operator.neg, operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge,
-    operator.and_, operator.or_, operator.not_, torch.sym_not, torch.sym_max, torch.sym_min, torch.sym_sum,
-    torch.ops.aten._local_scalar_dense.default, torch.ops.aten.sym_size.int,
-})
-_PURE_METHODS = frozenset({"item", "tolist", "max", "min", "sum", "size", "dim", "numel"})
-
+    operator.and_, operator.or_, operator.not_,
+}
+_PURE_METHODS = _SCALAR_METHODS | {"tolist", "max", "min", "sum"}
 
 _VIEW_METHODS = frozenset({"view", "reshape", "permute", "transpose", "flatten", "unflatten", "unsqueeze", "squeeze",
                            "expand", "narrow", "select", "t", "view_as"})
-_SCALAR_METHODS = frozenset({"item", "size", "dim", "numel"})
 _CHECKS = (check_scalar, torch.ops.aten._assert_scalar.default)
-_SCALAR_FUNCTIONS = frozenset({torch.ops.aten._local_scalar_dense.default, torch.ops.aten.sym_size.int, torch.sym_not,
-                               torch.sym_max, torch.sym_min, torch.sym_sum})
 
 
 def _is_scalar(node, memo: dict) -> bool:

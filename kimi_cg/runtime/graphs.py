@@ -56,6 +56,7 @@ the padding and slicing logic; only the capture itself needs a GPU).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -475,7 +476,8 @@ class BucketedGraphs:
         rows = self._patches(inputs)
         if fit is None or fit[0] != rows or not fit[1] or any(entries != 2 for _, entries in fit[1]):
             return None
-        tables = [(host_side or {}).get(i, inputs[i]) for i, _ in fit[1]]
+        host_side = host_side or {}
+        tables = [host_side.get(i, inputs[i]) for i, _ in fit[1]]
         if any(table.device.type != "cpu" or table.tolist() != [0, rows] for table in tables):
             # Only host-made tables are read here. A table the host pass made on the GPU (a grid kept
             # there, as transformers' towers are called) would cost a copy to read: not yet measured
@@ -773,7 +775,7 @@ class BucketedGraphs:
 
     def _capture(self, bucket: _Bucket, inputs, exact: bool = False) -> None:
         arguments = self._arguments(bucket, inputs)
-        dense = dense_single_segment(bucket.capacity if exact else -1)  # NOTE [one segment on cuDNN]
+        dense = dense_single_segment(bucket.capacity) if exact else contextlib.nullcontext()  # NOTE [one segment on cuDNN]
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
             if self.poison_pool:
@@ -827,7 +829,7 @@ class BucketedGraphs:
                 if exact:
                     counters["exact_size_replays"] += 1
             else:
-                with dense_single_segment(capacity if exact else -1):
+                with dense_single_segment(capacity) if exact else contextlib.nullcontext():
                     outputs = tuple(self.program(*self._arguments(bucket, inputs)))
                 counters["padded_runs"] += 1
             results = tuple(

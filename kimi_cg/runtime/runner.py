@@ -205,7 +205,7 @@ class LiftedRunner:
     def _replay(self, graphs, device_args, record=None, host_side=None):
         """The call replayed in its exact-size graph (NOTE [exact-size graphs] in runtime/graphs.py) or
         in the smallest bucket that holds it, or None."""
-        rows = graphs.choose_exact(device_args, host_side or {})
+        rows = graphs.choose_exact(device_args, host_side)
         result = graphs.run(device_args, rows, exact=True) if rows is not None else None
         if result is not None:
             _note(record, path="replay", bucket=rows, exact=True, rows=rows, padding=0)
