@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import gc
+import random
 import threading
 import weakref
 
@@ -428,12 +429,19 @@ def test_metadata_store_keeps_every_group_within_its_limit_and_batches_within_th
     for i in range(10):
         store.put(("item", i), block(), owner="a", share=1 << 20)
     assert store.report()["bytes"] == 1000 and store.get(("item", 0)) is not None
-    for i in range(8):  # batches may take half the budget: they evict each other, then the oldest items
+    store.put(("batch", "full"), block(), owner="a", share=1 << 20, pool="batch")
+    assert store.get(("batch", "full")) is None  # a batch never evicts an item: not kept
+    assert all(store.get(("item", i)) is not None for i in range(10))
+    for i in range(4):  # room for four batches once four items are gone
+        store.pop(("item", i))
+    for i in range(8):  # batches may take half the budget: they evict each other
         store.put(("batch", i), block(), owner="a", share=1 << 20, pool="batch")
     report = store.report()
-    assert report["by_pool"]["batch"] <= 500 and report["bytes"] <= 1000
+    assert report["by_pool"]["batch"] <= 400 and report["bytes"] <= 1000
     assert store.get(("batch", 7)) is not None and store.get(("batch", 0)) is None
-    assert store.get(("item", 0)) is not None  # used recently (above): kept over older items
+    store.put(("item", 0), block(), owner="a", share=1 << 20)  # an item evicts the oldest batch first
+    assert store.get(("batch", 4)) is None and store.get(("batch", 5)) is not None
+    assert all(store.get(("item", i)) is not None for i in (0, *range(4, 10)))
     store.put(("item", "b"), block(), owner="b", share=150)
     store.put(("item", "b2"), block(), owner="b", share=150)  # owner b's share holds one entry
     assert store.get(("item", "b")) is None and store.get(("item", "b2")) is not None
@@ -441,3 +449,24 @@ def test_metadata_store_keeps_every_group_within_its_limit_and_batches_within_th
     assert store.get(("item", "huge")) is None  # larger than the budget: not kept, nothing evicted for it
     store.set_budget(300)
     assert store.report()["bytes"] <= 300
+
+
+def test_a_cycle_of_distinct_batches_keeps_every_item_value_that_fits():
+    """Found on the H200: W4's stream run twice (40 requests of ~5 items, item values ~0.8 GB, batches
+    ~0.25 GB, budget 1 GB) missed every item value on its second pass, because batches evicted the
+    oldest items and an LRU over a cycle longer than it holds misses every time."""
+    from kimi_cg.runtime.memory import MetadataStore
+
+    store = MetadataStore(budget=1000)
+    block = lambda: torch.zeros(20, dtype=torch.uint8)  # noqa: E731
+    rng = random.Random(0)
+    requests = [[rng.randrange(40) for _ in range(4)] for _ in range(30)]  # at most 40 distinct items: 800 bytes
+    for second_pass in (False, True):
+        for number, items in enumerate(requests):
+            for item in items:
+                if store.get(("item", item)) is None:
+                    assert not second_pass, f"item {item} of request {number} was evicted"
+                    store.put(("item", item), block(), owner="a", share=1 << 20)
+            store.put(("batch", number), torch.zeros(80, dtype=torch.uint8), owner="a", share=1 << 20, pool="batch")
+    items = {item for request in requests for item in request}
+    assert store.report()["by_pool"]["batch"] <= 1000 - 20 * len(items) and len(items) > 30
