@@ -214,6 +214,31 @@ def install_item_cache(gm: torch.fx.GraphModule, grid_placeholders: set[torch.fx
     return installed
 
 
+def _host_functions() -> dict:
+    from kimi_cg.ops import resize
+
+    return {torch.ops.kimi_cg.bicubic_resize.default: resize.bicubic_resize_on_host}
+
+
+def call_host_functions(gm: torch.fx.GraphModule) -> int:
+    """NOTE [host calls skip the dispatcher]
+    A host program runs its FX graph eagerly, once per call. A kimi_cg custom op called there goes
+    through torch.library's Python dispatch (autograd wrapper, alias checks, the dynamo-disabled
+    frame): on the H200's host, 0.41 ms per ``bicubic_resize`` call against 0.11 ms for the same
+    computation called as a function, and a W4 request resizes the position table for each new
+    image size. Host programs never need gradients or tracing, so their calls of these ops name the
+    plain function the op itself runs (same inputs, same result). Returns how many calls changed."""
+    functions = _host_functions()
+    changed = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in functions:
+            node.target = functions[node.target]
+            changed += 1
+    if changed:
+        gm.recompile()
+    return changed
+
+
 def check_scalar(condition, message: str) -> None:
     """``aten._assert_scalar`` for plain Python values: same error, no dispatcher round trip."""
     if not condition:
@@ -399,6 +424,7 @@ class HostProgram:
             if node.op != "placeholder" and node.all_input_nodes and all(a in const_nodes for a in node.all_input_nodes):
                 if not any(isinstance(a, torch.fx.Node) and a in grid_nodes for a in node.all_input_nodes):
                     const_nodes.add(node)
+        self.direct_calls = call_host_functions(self.gm)
         self.items_cached = install_item_cache(self.gm, grid_nodes, const_nodes, owner, cache_bytes)
         self.grid_reads = read_grids_once(self.gm, grid_nodes)
         self.reads_merged = merge_repeated_reads(self.gm)

@@ -73,6 +73,12 @@ def resize_matrix(in_size: int, out_size: int, device: torch.device) -> torch.Te
 
 @torch.library.custom_op("kimi_cg::bicubic_resize", mutates_args=())
 def bicubic_resize(x: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    return bicubic_resize_on_host(x, height, width)
+
+
+def bicubic_resize_on_host(x: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """The op's computation as a plain function: host programs call this one (NOTE [host calls skip
+    the dispatcher] in host_program.py); the op is what traced programs see."""
     if x.dim() != 4:
         raise ValueError(f"bicubic_resize expects [N, C, H, W], got shape {tuple(x.shape)}")
     rows = resize_matrix(x.shape[2], height, x.device)

