@@ -15,6 +15,12 @@ and after it, so phases add up but the total is a little slower than an unsynchr
   fill          copies into the bucket's static inputs
   replay        CUDA-graph replays
   output_rows   the output sizes for this call (symbolic, cached per shape)
+
+With --cpu-time nothing is synchronised inside a call: each phase is the host CPU time it takes to
+issue its work (what delays the replay's launch), "call_cpu" the time until the call returns, and
+"state_tokens" (the module-state check) and "graph_launch" are timed too; "misses" counts per-item
+metadata misses per request. --warm-up-stream warms with bench.py's W4 warm-up requests instead of
+``kimi_cg.warm_up`` (the W4 benchmark's start).
 """
 
 from __future__ import annotations
@@ -38,18 +44,22 @@ from kimi_cg.host_program import HostProgram, ItemValue  # noqa: E402
 from kimi_cg.models import MoonVitConfig, MoonVitPretrainedModel  # noqa: E402
 from kimi_cg.runtime.graphs import BucketedGraphs  # noqa: E402
 from kimi_cg.runtime.runner import LiftedRunner  # noqa: E402
+from kimi_cg.runtime.state_tokens import StateTokens  # noqa: E402
 
 PHASES = collections.Counter()
+SYNCHRONISE = True  # False with --cpu-time
 
 
 def timed(name: str, function):
     def wrapper(*args, **kwargs):
-        bench.synchronize()
+        if SYNCHRONISE:
+            bench.synchronize()
         start = time.perf_counter()
         try:
             return function(*args, **kwargs)
         finally:
-            bench.synchronize()
+            if SYNCHRONISE:
+                bench.synchronize()
             PHASES[name] += time.perf_counter() - start
     return wrapper
 
@@ -60,20 +70,29 @@ def instrument() -> None:
     ItemValue.forward = timed("item_values", ItemValue.forward)
     BucketedGraphs._fill = timed("fill", BucketedGraphs._fill)
     DeviceProgram.output_rows = timed("output_rows", DeviceProgram.output_rows)
-    torch.cuda.CUDAGraph.replay = timed("replay", torch.cuda.CUDAGraph.replay)
+    if SYNCHRONISE:
+        torch.cuda.CUDAGraph.replay = timed("replay", torch.cuda.CUDAGraph.replay)
+    else:
+        torch.cuda.CUDAGraph.replay = timed("graph_launch", torch.cuda.CUDAGraph.replay)
+        StateTokens.validate = timed("state_tokens", StateTokens.validate)
 
 
 def measure(system, requests) -> dict:
+    names = ("call", "runner", "host", "item_values", "fill", "replay", "output_rows") if SYNCHRONISE else (
+        "call", "call_cpu", "runner", "host", "item_values", "state_tokens", "fill", "output_rows", "graph_launch", "misses")
     per_request = collections.defaultdict(list)
     with torch.no_grad():
         for args in requests:
             PHASES.clear()
+            misses = kimi_cg.counters["metadata_cache_misses"]
             bench.synchronize()
             start = time.perf_counter()
             system(*args)
+            PHASES["call_cpu"] = time.perf_counter() - start
             bench.synchronize()
             PHASES["call"] = time.perf_counter() - start
-            for name in ("call", "runner", "host", "item_values", "fill", "replay", "output_rows"):
+            PHASES["misses"] = (kimi_cg.counters["metadata_cache_misses"] - misses) / 1e3  # a count, not ms
+            for name in names:
                 per_request[name].append(PHASES[name] * 1e3)
     return {name: {"mean_ms": statistics.fmean(v), "p50_ms": statistics.median(v)} for name, v in per_request.items()}
 
@@ -82,6 +101,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=40)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--cpu-time", action="store_true", help="no synchronisation inside a call (see above)")
+    parser.add_argument("--warm-up-stream", action="store_true", help="warm with bench.py's W4 warm-up requests")
     parser.add_argument("--smoke-test-on-cpu", action="store_true",
                         help="tiny config on the CPU (bucket path without capture), to check this script")
     args = parser.parse_args()
@@ -95,7 +116,17 @@ def main() -> None:
     compiled = torch.compile(model, backend="kimi_cg", options=options)
     report = {"machine": torch.cuda.get_device_name() if bench.DEVICE == "cuda" else "cpu (smoke test)", "torch": torch.__version__,
               "command": "python scripts/host_phases.py " + " ".join(sys.argv[1:])}
-    report["warm_up"] = kimi_cg.warm_up(compiled, *bench.make_inputs([[16, 16]], 0), max_items=8)
+    global SYNCHRONISE
+    SYNCHRONISE = not args.cpu_time
+    if args.warm_up_stream:
+        start = time.perf_counter()
+        with torch.no_grad():
+            for i, grid in enumerate(bench.warmup_stream(seed=40)):
+                compiled(*bench.make_inputs(grid, 500 + i))
+        bench.synchronize()
+        report["warm_up"] = {"stream_s": time.perf_counter() - start}
+    else:
+        report["warm_up"] = kimi_cg.warm_up(compiled, *bench.make_inputs([[16, 16]], 0), max_items=8)
     print("warm_up", json.dumps(report["warm_up"]), flush=True)
     stream = [bench.make_inputs(grid, 100 + i) for i, grid in enumerate(bench.request_stream(4, args.requests))]
     other = [bench.make_inputs(grid, 900 + i) for i, grid in enumerate(bench.request_stream(9, args.requests))]

@@ -452,8 +452,8 @@ def test_metadata_store_keeps_every_group_within_its_limit_and_batches_within_th
 
 
 def test_a_cycle_of_distinct_batches_keeps_every_item_value_that_fits():
-    """Found on the H200: W4's stream run twice (40 requests of ~5 items, item values ~0.8 GB, batches
-    ~0.25 GB, budget 1 GB) missed every item value on its second pass, because batches evicted the
+    """Found on the H200: W4's stream run twice (40 requests of ~5 items, item values ~0.7 GB, batches
+    ~0.4 GB, budget 1 GB) missed every item value on its second pass, because batches evicted the
     oldest items and an LRU over a cycle longer than it holds misses every time."""
     from kimi_cg.runtime.memory import MetadataStore
 
