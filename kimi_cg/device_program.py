@@ -418,8 +418,10 @@ def python_function(expressions: list, symbols: list):
     from torch.utils._sympy.printers import PythonPrinter
 
     names = [str(symbol) for symbol in symbols]
-    if not all(name.isidentifier() and not keyword.iskeyword(name) for name in names) or len(set(names)) != len(names):
-        return None
+    functions = {"max": max, "min": min, "abs": abs}
+    if (not all(name.isidentifier() and not keyword.iskeyword(name) and name not in functions for name in names)
+            or len(set(names)) != len(names)):
+        return None  # not usable as argument names (or would hide a function the text calls)
     printer = PythonPrinter()
     texts = []
     for expression in expressions:
@@ -434,13 +436,13 @@ def python_function(expressions: list, symbols: list):
             return None
         if "/" in text.replace("//", "") or "." in text:  # a true division or a float: not integers
             return None
-        allowed = set(names) | {"max", "min", "abs", "and", "or", "not", "True", "False"}
+        allowed = set(names) | set(functions) | {"and", "or", "not", "True", "False"}
         if not set(re.findall(r"[A-Za-z_][A-Za-z_0-9]*", text)) <= allowed:
             return None
         texts.append(f"({text})")
     source = f"lambda {', '.join(names)}: ({''.join(t + ', ' for t in texts)})"
     try:
-        return eval(source, {"__builtins__": {}, "max": max, "min": min, "abs": abs})  # noqa: S307 - printed here
+        return eval(source, {"__builtins__": {}, **functions})  # noqa: S307 - printed here
     except Exception:  # noqa: BLE001 - not valid Python after all: xreplace
         return None
 

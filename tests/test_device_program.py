@@ -99,6 +99,8 @@ def test_size_expressions_outside_integer_arithmetic_stay_on_sympy():
     assert python_function([sympy.sin(s0)], [s0]) is None  # a name Python does not have here
     assert python_function([s0 + s1], [s0]) is None  # a symbol no input gives
     assert python_function([s0], [sympy.Symbol("lambda")]) is None  # not an argument name
+    max_named = sympy.Symbol("max", integer=True)
+    assert python_function([sympy.Max(s0, max_named + 1)], [s0, max_named]) is None  # would hide max()
 
 
 @pytest.mark.parametrize("compiler", ["eager"])
