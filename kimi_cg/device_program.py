@@ -347,23 +347,21 @@ class ShapeAssumptions:
         for guard in shape_env.guards:
             conditions.setdefault(str(guard.expr), guard.expr)
         self.conditions = list(conditions.values())
-        self._order = list(symbols)  # the compiled functions' argument order
-        self._test = python_function(self.conditions, self._order)  # NOTE [size expressions as Python]
+        self.order = list(symbols)  # the compiled functions' argument order
+        self._test = python_function(self.conditions, self.order)  # NOTE [size expressions as Python]
 
     def sizes(self, positions, signature) -> list[int] | None:
         """The call's size for each input symbol, in the compiled functions' order (None as in values)."""
         by_position = dict(zip(positions, signature))
         try:
-            return [by_position[self.symbols[symbol]] for symbol in self._order]
+            return [by_position[self.symbols[symbol]] for symbol in self.order]
         except KeyError:
             return None
 
     def values(self, positions, signature) -> dict | None:
         """symbol -> the call's size, or None when the call lacks one of the run's positions."""
-        by_position = dict(zip(positions, signature))
-        if not all(position in by_position for position in self.symbols.values()):
-            return None
-        return {symbol: sympy.Integer(by_position[position]) for symbol, position in self.symbols.items()}
+        sizes = self.sizes(positions, signature)
+        return None if sizes is None else {symbol: sympy.Integer(size) for symbol, size in zip(self.order, sizes)}
 
     def hold(self, positions, signature) -> bool:
         """Whether a call with these sizes meets every condition (False when one cannot be evaluated)."""
@@ -394,7 +392,7 @@ class SymbolicRows:
 
     def __init__(self, expressions: list, assumptions: ShapeAssumptions):
         self.expressions, self.assumptions = expressions, assumptions
-        self._rows = python_function(expressions, assumptions._order)  # NOTE [size expressions as Python]
+        self._rows = python_function(expressions, assumptions.order)  # NOTE [size expressions as Python]
 
     def rows(self, positions, signature) -> list[int | None]:
         if self._rows is not None:

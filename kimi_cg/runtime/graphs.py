@@ -44,9 +44,10 @@ kimi_cg/ops/varlen_attention.py; the warm-up runs before the capture build cuDNN
 ms, once). A size's first two calls replay its bucket as before, so a stream of sizes seen once or
 twice captures nothing: making a graph costs 70-400 ms on the H200 (the cuDNN plan, two runs, the
 capture), which only sizes that recur pay back. At most ``exact_size_graphs`` (config) such graphs
-are kept, the least recently used dropped; they share the buckets' pool. A graph that cannot be made (out of memory, a failed capture) turns them off for the
-program: its calls replay the buckets. Only tables the host made (read without a sync) and only
-programs whose every kimi_cg varlen attention takes such a table as is qualify.
+are kept, the least recently used dropped; they share the buckets' pool. A graph that cannot be
+made (out of memory, a failed capture) turns them off for the program: its calls replay the
+buckets. Only tables the host made (read without a sync) and only programs whose every kimi_cg
+varlen attention takes such a table as is qualify.
 
 All buckets share one graph memory pool and are captured largest first (smaller graphs reuse the
 largest one's blocks). Without CUDA the same padded path runs without capture (CPU tests cover
@@ -89,6 +90,12 @@ PADDING_SEGMENT_ROWS = 64
 # sizes seen fewer times are counted, the count forgotten after MAX_SIGHTINGS sizes.
 EXACT_GRAPH_SIGHTINGS = 3
 MAX_SIGHTINGS = 4096
+
+
+def _attention_context(capacity: int, exact: bool):
+    """What a run of a graph of ``capacity`` rows runs under: an exact-size graph's one segment on
+    cuDNN (NOTE [one segment on cuDNN]), a bucket's attention as it is."""
+    return dense_single_segment(capacity) if exact else contextlib.nullcontext()
 
 
 def _packet(target):
@@ -775,7 +782,7 @@ class BucketedGraphs:
 
     def _capture(self, bucket: _Bucket, inputs, exact: bool = False) -> None:
         arguments = self._arguments(bucket, inputs)
-        dense = dense_single_segment(bucket.capacity) if exact else contextlib.nullcontext()  # NOTE [one segment on cuDNN]
+        dense = _attention_context(bucket.capacity, exact)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
             if self.poison_pool:
@@ -829,7 +836,7 @@ class BucketedGraphs:
                 if exact:
                     counters["exact_size_replays"] += 1
             else:
-                with dense_single_segment(capacity) if exact else contextlib.nullcontext():
+                with _attention_context(capacity, exact):
                     outputs = tuple(self.program(*self._arguments(bucket, inputs)))
                 counters["padded_runs"] += 1
             results = tuple(
