@@ -264,7 +264,8 @@ def _bucketed_graphs(config: KimiCGConfig, lifted, inputs, device, example_input
         if graphs is None:
             graphs = _new_graphs(device, (key, addresses), weights, lambda: BucketedGraphs(
                 device, rules, buckets, config.max_items, config.max_frames, capture=on_cuda,
-                poison_pool=config.poison_graph_pool, exact_rows=exact_rows, exact_graphs=config.exact_size_graphs))
+                poison_pool=config.poison_graph_pool, exact_rows=exact_rows, exact_graphs=config.exact_size_graphs,
+                length_classes=config.attention_length_classes))
         return graphs
 
     return graphs_for

@@ -33,6 +33,7 @@ MAX_BUCKETS_PER_DOUBLING = 64
 of 1.011 between buckets, finer than padding ever needs."""
 
 MAX_EXACT_SIZE_GRAPHS = 1024
+MAX_LENGTH_CLASSES = 8
 """Each exact-size graph keeps its input and output buffers alive."""
 
 MAX_BATCH_CACHE_SIZE = 1024
@@ -92,6 +93,13 @@ class KimiCGConfig:
     kernel (NOTE [exact-size graphs] in runtime/graphs.py). 0 disables. Each holds its own input and
     output buffers (a 128x128-patch image: ~60 MB in bf16); intermediates share the buckets' pool."""
 
+    attention_length_classes: int = 3
+    """Graphs per bucket by the call's longest segment: a bucket of C rows is also captured with its
+    attention bounded to C / 2, C / 4, ... (this many graphs in all), and a call replays the smallest
+    that holds its longest segment, so flash launches fewer empty query blocks (NOTE [segment-length
+    classes] in runtime/graphs.py). 1 disables. Each class costs a capture per bucket (warm-up time);
+    its intermediates share the buckets' pool and it writes the bucket's own output buffers."""
+
     poison_graph_pool: bool = False
     """Testing aid: fill the CUDA-graph memory pool with NaN before capturing, so that any read of
     memory the graphs did not write shows up as NaN in the outputs (NOTE [padding rules])."""
@@ -129,6 +137,7 @@ class KimiCGConfig:
         _check_int("max_items", self.max_items, 1, MAX_ITEMS)
         _check_int("max_frames", self.max_frames, 1, MAX_FRAMES)
         _check_int("exact_size_graphs", self.exact_size_graphs, 0, MAX_EXACT_SIZE_GRAPHS)
+        _check_int("attention_length_classes", self.attention_length_classes, 1, MAX_LENGTH_CLASSES)
         for name in ("poison_graph_pool", "strict"):
             if not isinstance(getattr(self, name), bool):
                 _reject(name, getattr(self, name), "True or False")

@@ -20,6 +20,11 @@ Keys (missing keys read as 0):
                               third call, after any warm-up, by design)
   exact_size_graphs_dropped   exact-size graphs dropped, least recently used first, to keep the limit
   exact_size_graph_failures   graph sets whose exact-size graph could not be made (they are off since)
+  length_class_captures       bucket graphs captured at a segment-length bound below the bucket's capacity
+                              (NOTE [segment-length classes] in runtime/graphs.py)
+  length_class_replays        of graph_replays, those of such graphs; length_class_runs: the same on the
+                              padded path without capture (CPU)
+  length_class_failures       graph sets whose bounded graphs could not be made (classes are off since)
   padded_runs                 calls run padded in a bucket without a captured graph (no CUDA, or the
                               capture failed): the padded path without the replay
   eager_fallbacks             calls or items that ran the non-graphed device program

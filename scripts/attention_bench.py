@@ -15,6 +15,9 @@ Systems, per case:
                  real segments, the padding rows in 64-row segments while the table has room, empty
                  segments after; NOTE [segment tables]), max_seqlen = C
   flash_exact    the same kernel on the real segments only, max_seqlen = the longest (no padding)
+  flash_bucket_class   flash on the bucket's table with max_seqlen = the smallest segment-length class
+                 bound (C / 2, C / 4) that holds its longest segment, padding included, as kimi_cg's
+                 default replays it (NOTE [segment-length classes]); C when none does
   cudnn_dense    (single only) SDPA's cuDNN backend on [1, H, L, D]
   cudnn_exact, cudnn_bucket   (--with-cudnn-ragged; timed call by call, it cannot be captured)
                  cuDNN's attention on packed segments (cumulative lengths) on the exact segments / on
@@ -42,9 +45,11 @@ SMOKE = "--smoke-test-on-cpu" in sys.argv
 if SMOKE:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel module is imported
 
+from kimi_cg.config import KimiCGConfig  # noqa: E402
 from kimi_cg.kernels.varlen_attention import plan_work_list_on_device, work_list_attention, work_list_capacity  # noqa: E402
+from kimi_cg.runtime.graphs import class_bounds  # noqa: E402
 
-BUCKETS = (1024, 2048, 4096, 8192, 16384)
+BUCKETS = KimiCGConfig().buckets()  # kimi_cg's default ladder (4 per doubling, 1024 .. 16384)
 TABLE_SEGMENTS = 33  # a bucket's item table: max_items (32) + 1
 PADDING_SEGMENT_ROWS = 64
 # (block_m, block_n, num_warps, num_stages)
@@ -159,7 +164,14 @@ def run_case(case: str, lengths: list[int], items: int, heads: int, head_dim: in
         exact_q, exact_k, exact_v = q[:rows], k[:rows], v[:rows]
         result["flash_exact_ms"] = timed(flash(exact_q, exact_k, exact_v, bounds, longest))
         result["flash_bucket_ms"] = timed(flash(q, k, v, table, capacity))
+        table_longest = max(b - a for a, b in zip(table, table[1:]))
+        bound = next((b for b in reversed(class_bounds(capacity, KimiCGConfig().attention_length_classes))
+                      if b >= table_longest), capacity)
+        result["class_bound"] = bound
+        result["flash_bucket_class_ms"] = timed(flash(q, k, v, table, bound))
+        class_out = flash(q, k, v, table, bound)()[:rows]
         exact = flash(exact_q, exact_k, exact_v, bounds, longest)()
+        result["flash_bucket_class_max_abs_diff"] = (class_out.float() - exact.float()).abs().max().item()
         if WITH_CUDNN_RAGGED:  # timed call by call: its capture fails (docs/benchmarks.md, 2026-12-04)
             for name, call in (("cudnn_exact", cudnn_ragged(exact_q, exact_k, exact_v, bounds, longest)),
                                ("cudnn_bucket", cudnn_ragged(q, k, v, table, capacity))):

@@ -145,11 +145,19 @@ class StockDynamo:
             return self.compiled(*args)
 
 
+# kimi_cg under its defaults and under options that turn one lever off (same process, same streams).
+KIMI_CG_VARIANTS = {
+    "kimi_cg": {},
+    "kimi_cg_one_length_class": {"attention_length_classes": 1},  # NOTE [segment-length classes] off
+}
+
+
 def build_system(name: str, model, device_compiler: str = "auto"):
     if name == "eager":
         return model
-    if name == "kimi_cg":
-        return torch.compile(model, backend="kimi_cg", options={"device_compiler": device_compiler})
+    if name in KIMI_CG_VARIANTS:
+        options = {"device_compiler": device_compiler, **KIMI_CG_VARIANTS[name]}
+        return torch.compile(model, backend="kimi_cg", options=options)
     if name == "inductor":
         return StockDynamo(torch.compile(model))
     if name == "inductor_reduce_overhead":
@@ -164,7 +172,7 @@ def build_system(name: str, model, device_compiler: str = "auto"):
 def compile_count(name: str, system=None) -> int:
     if name == "seed_style":
         return len(system.graphs) if system is not None else 0
-    if name == "kimi_cg":
+    if name in KIMI_CG_VARIANTS:
         return kimi_cg.counters["dynamo_graphs"] + kimi_cg.counters["device_programs_compiled"] + kimi_cg.counters["captures"]
     from torch._dynamo.utils import counters
 
@@ -412,7 +420,7 @@ def main() -> None:
         """kimi_cg's stream summary gains the cost of the kimi_cg.warm_up that ran before its
         warm-up stream (--kimi-cg-warm-up; recorded in extras under `key`)."""
         report = extras.get(key)
-        if name == "kimi_cg" and report is not None:
+        if name in KIMI_CG_VARIANTS and report is not None:
             summary.update(warm_up_call_s=report["seconds"], buckets_ready_s=report["buckets_ready_s"])
         return summary
 
@@ -443,8 +451,8 @@ def main() -> None:
             torch._dynamo.reset()
             kimi_cg.reset()
             system = build_system(name, vit, args.device_compiler)
-            if name == "kimi_cg" and args.kimi_cg_warm_up:
-                extras["kimi_cg_warm_up"] = kimi_cg.warm_up(system, *make_inputs([[16, 16]], 0), max_items=8)
+            if name in KIMI_CG_VARIANTS and args.kimi_cg_warm_up:
+                extras[f"{name}_warm_up"] = kimi_cg.warm_up(system, *make_inputs([[16, 16]], 0), max_items=8)
             for workload, grid in (("W1", [[32, 32]]), ("W2", W2), ("W3", [[128, 128]])):
                 if workload not in workloads:
                     continue
@@ -458,7 +466,7 @@ def main() -> None:
                         num = sum(float((g.float() - w.float()).norm() ** 2) for g, w in zip(got, want)) ** 0.5
                         den = sum(float(w.float().norm() ** 2) for w in want) ** 0.5
                         summary["rel_err_vs_eager"] = num / den
-                if name == "kimi_cg" and workload == "W1":
+                if name in KIMI_CG_VARIANTS and workload == "W1":
                     replay = replay_only_ms(1024) if DEVICE == "cuda" else None
                     summary["replay_only_ms"] = replay
                     summary["host_overhead_ms"] = statistics.median(times) - replay if replay else None
@@ -476,12 +484,12 @@ def main() -> None:
                     extras[f"W4_{name}_profile"] = device_profile(
                         system, [make_inputs(grid, 100 + 1000 + i) for i, grid in enumerate(stream[:args.profile])])
                 summary = stream_summary(run, "first", len(stream), len(warm_stream))
-                record("W4", name, with_warm_up(summary, name, "kimi_cg_warm_up"))
+                record("W4", name, with_warm_up(summary, name, f"{name}_warm_up"))
                 record("W4_repeat", name, stream_summary(run, "second", len(stream), len(warm_stream)))
-            if name == "kimi_cg":
-                extras["graph_memory_bytes"] = graph_memory_bytes()
-                extras["kimi_cg_counters"] = dict(kimi_cg.counters)
-                extras["kimi_cg_timings_s"] = dict(kimi_cg.timings)
+            if name in KIMI_CG_VARIANTS:
+                extras[f"graph_memory_bytes_{name}"] = graph_memory_bytes()
+                extras[f"{name}_counters"] = dict(kimi_cg.counters)
+                extras[f"{name}_timings_s"] = dict(kimi_cg.timings)
         except Exception as error:  # one system failing (torch.compile crashes) must not end the run
             failed("W1-W4", name, error)
             continue
@@ -501,8 +509,8 @@ def main() -> None:
                 if name == "seed_style":
                     continue  # the seeds run video chunks eagerly (a sentinel size); no graph-safe 3D path
                 system = build_system(name, vit3d, args.device_compiler)
-                if name == "kimi_cg" and args.kimi_cg_warm_up:
-                    extras["kimi_cg_warm_up_3d"] = kimi_cg.warm_up(system, *make_inputs([[1, 16, 16]], 0), max_items=8)
+                if name in KIMI_CG_VARIANTS and args.kimi_cg_warm_up:
+                    extras[f"{name}_warm_up_3d"] = kimi_cg.warm_up(system, *make_inputs([[1, 16, 16]], 0), max_items=8)
                 run = run_stream(system, lambda: compile_count(name, system), warm3d, stream3d, seed=200,
                                  budget_s=args.stream_budget_s, warmup_budget_s=warmup_budget(name), repeat=False)
                 extras[f"W4_3d_{name}_times_ms"] = run["first"]
@@ -510,11 +518,11 @@ def main() -> None:
                 if args.profile and DEVICE == "cuda":
                     extras[f"W4_3d_{name}_profile"] = device_profile(
                         system, [make_inputs(grid, 200 + 1000 + i) for i, grid in enumerate(stream3d[:args.profile])])
-                if name == "kimi_cg":
-                    extras["W4_3d_kimi_cg_counters"] = dict(kimi_cg.counters)
-                    extras["W4_3d_kimi_cg_timings_s"] = dict(kimi_cg.timings)
+                if name in KIMI_CG_VARIANTS:
+                    extras[f"W4_3d_{name}_counters"] = dict(kimi_cg.counters)
+                    extras[f"W4_3d_{name}_timings_s"] = dict(kimi_cg.timings)
                 summary = stream_summary(run, "first", len(stream3d), len(warm3d))
-                record("W4_3d", name, with_warm_up(summary, name, "kimi_cg_warm_up_3d"))
+                record("W4_3d", name, with_warm_up(summary, name, f"{name}_warm_up_3d"))
             except Exception as error:  # one system failing (torch.compile crashes) must not end the run
                 failed("W4_3d", name, error)
                 continue

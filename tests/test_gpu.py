@@ -93,6 +93,8 @@ def test_graph_replays_match_eager_bf16(tower, size, count):
     assert counters["dynamo_graphs"] == warm["dynamo_graphs"]  # warm_up traced every count 1..8: no retrace
     assert counters["device_programs_compiled"] == warm["device_programs_compiled"]  # none after warm-up
     assert counters.get("graph_replays", 0) > 0
+    # NOTE [segment-length classes]: bounded graphs were made and replayed, in the poisoned pool.
+    assert counters.get("length_class_replays", 0) > 0 and counters.get("length_class_failures", 0) == 0, counters
     _record(f"{tower}-{size}", report, counters,
             captures_after_warm_up=counters.get("captures", 0) - warm.get("captures", 0))
 

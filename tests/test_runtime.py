@@ -468,3 +468,64 @@ def test_exact_size_graphs_off():
             assert_matches_eager(compiled, model, [[4, 6]], seed)
     new = _new_graph_sets(earlier)
     assert new and all(not graphs.exact and not graphs.sightings for graphs in new)
+
+
+def test_class_bounds_halve_the_capacity_in_flash_blocks():
+    from kimi_cg.runtime.graphs import class_bounds
+
+    assert class_bounds(7168, 3) == [3584, 1792]
+    assert class_bounds(7168, 1) == []
+    assert class_bounds(1000, 4) == [512, 256, 128]  # rounded up to 128-row query blocks
+    assert class_bounds(256, 4) == [128]  # 64 rounds up to 128: one bound, once
+    assert class_bounds(100, 3) == []  # no bound below the capacity
+    with pytest.raises(ValueError, match="attention_length_classes"):
+        KimiCGConfig(attention_length_classes=0)
+
+
+def test_a_broken_segment_bound_raises_on_cpu():
+    """NOTE [segment-length classes]: the op checks the runtime's promise on CPU tables; a broken one
+    is an error, never a silently partial attention."""
+    from kimi_cg.ops.varlen_attention import longest_segment_bound
+
+    q = torch.randn(10, 2, 8)
+    cu = torch.tensor([0, 6, 10], dtype=torch.int32)
+    expected = torch.ops.kimi_cg.varlen_attention(q, q, q, cu, 10)
+    with longest_segment_bound(10, 6):
+        assert torch.equal(torch.ops.kimi_cg.varlen_attention(q, q, q, cu, 10), expected)
+    with longest_segment_bound(12, 4):  # a promise about other rows: not this attention's
+        assert torch.equal(torch.ops.kimi_cg.varlen_attention(q, q, q, cu, 10), expected)
+    with longest_segment_bound(10, 5), pytest.raises(RuntimeError, match="segment-length classes"):
+        torch.ops.kimi_cg.varlen_attention(q, q, q, cu, 10)
+
+
+def test_calls_run_at_the_smallest_segment_length_class_that_holds_them(monkeypatch):
+    """NOTE [segment-length classes]: a bucket runs bounded by the longest segment its table gets,
+    padding segments included; the op checks each bound on CPU, and results equal eager."""
+    from kimi_cg.runtime import graphs as graphs_module
+
+    bounds = []
+    real = graphs_module.longest_segment_bound
+
+    def recording(rows, bound):
+        bounds.append((rows, bound))
+        return real(rows, bound)
+
+    monkeypatch.setattr(graphs_module, "longest_segment_bound", recording)
+    torch.manual_seed(0)
+    model = KimiVLVisionEncoder(MoonVitConfig.tiny(attn_implementation="sdpa")).eval()
+    compiled = torch.compile(model, backend="kimi_cg", options={**OPTIONS, "exact_size_graphs": 0})
+    with torch.no_grad():
+        compiled(*inputs([[2, 2]], 0))  # the first shape replays the shared program's 256 bucket too
+        assert bounds == [(256, 128)]
+        bounds.clear()
+        # 40 rows in the 256 bucket: segments 24, 16, then padding 64, 64, 88: the 128 bound holds them.
+        assert_matches_eager(compiled, model, [[4, 6], [2, 8]], 1)
+        # 160 rows: a 128-row item, padding 64, 32 and an empty segment: exactly the 128 bound.
+        assert_matches_eager(compiled, model, [[2, 64], [16, 2]], 2)
+        # 320 rows in the 1024 bucket: padding 64, 64, then 576 rows, over the 512 bound: capacity.
+        assert_matches_eager(compiled, model, [[16, 16], [8, 8]], 3)
+        # 700 rows, one item of 480: padding pieces end short of the 512 bound.
+        assert_matches_eager(compiled, model, [[16, 30], [10, 22]], 4)
+    assert bounds == [(256, 128), (256, 128), (1024, 512)]
+    assert kimi_cg.counters["length_class_runs"] == 4
+    assert kimi_cg.counters["eager_fallbacks"] == 0 and kimi_cg.counters["call_fallbacks"] == 0

@@ -157,6 +157,44 @@ class dense_single_segment:
         _DENSE.rows = self.previous
 
 
+# Segment-length bounds (NOTE [segment-length classes] in kimi_cg/runtime/graphs.py): the CUDA-graph
+# runtime captures a bucket of C rows also at shorter bounds B and replays the one that holds the
+# call's longest segment. While it captures or runs such a graph it says so with
+# ``longest_segment_bound(C, B)``; flash calls over C rows then take min(max_seqlen, B). Flash with a
+# max_seqlen below a segment's length would leave that segment's later rows unwritten, so the bound
+# is the runtime's promise; on a CPU table (the tests' padded path) the op checks it and raises.
+_BOUND = threading.local()
+
+
+class longest_segment_bound:
+    """Context: every segment of the tables of attentions over ``rows`` rows is at most ``bound``
+    rows long (NOTE [segment-length classes]). Only the CUDA-graph runtime sets it."""
+
+    def __init__(self, rows: int, bound: int):
+        self.rows, self.bound = rows, bound
+
+    def __enter__(self):
+        self.previous = getattr(_BOUND, "value", None)
+        _BOUND.value = (self.rows, self.bound)
+
+    def __exit__(self, *exc):
+        _BOUND.value = self.previous
+
+
+def _bounded_max_seqlen(q: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> int:
+    """``max_seqlen``, lowered to the runtime's promised bound for attentions over q's rows (NOTE
+    [segment-length classes]); on a CPU table the promise is checked."""
+    rows, bound = getattr(_BOUND, "value", None) or (None, None)
+    if rows != q.shape[0]:
+        return max_seqlen
+    if cu_seqlens.device.type == "cpu" and cu_seqlens.numel() > 1:
+        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        if longest > bound:
+            raise RuntimeError(f"kimi_cg internal error: a segment of {longest} rows in a graph whose segments were "
+                               f"promised to be at most {bound} rows (NOTE [segment-length classes])")
+    return min(max_seqlen, bound)
+
+
 def _dense_cudnn(q, k, v, cu_seqlens, scale):
     """cuDNN's dense attention over all of q's rows when NOTE [one segment on cuDNN] allows it, else None."""
     head_dim = q.shape[-1]
@@ -194,6 +232,7 @@ def varlen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
     scale: float | None = None,
 ) -> torch.Tensor:
+    max_seqlen = _bounded_max_seqlen(q, cu_seqlens, max_seqlen)  # NOTE [segment-length classes]
     if q.device.type != "cuda":
         return varlen_attention_reference(q, k, v, cu_seqlens, scale)
     if prefers_work_list(q.shape[0], cu_seqlens.numel() - 1):  # NOTE [work list or flash]

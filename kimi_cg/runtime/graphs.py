@@ -49,6 +49,24 @@ made (out of memory, a failed capture) turns them off for the program: its calls
 buckets. Only tables the host made (read without a sync) and only programs whose every kimi_cg
 varlen attention takes such a table as is qualify.
 
+NOTE [segment-length classes]
+Flash launches (max_seqlen / 128) query blocks per segment of a table, and in a bucket max_seqlen
+is its capacity C, so a bucket's attention pays for the blocks of max_items + 1 segments of C rows
+whatever the call's segments are (issue 14: 1.48x the attention time of exact segments over W4-like
+requests on the H200). So each bucket is also captured at shorter bounds, C / 2, C / 4, ...
+(``attention_length_classes`` graphs in all, bounds rounded up to 128 rows): the same program under
+``longest_segment_bound(C, B)`` (kimi_cg/ops/varlen_attention.py), whose flash calls over C rows
+take max_seqlen = B. A call replays the graph of the smallest bound that holds the longest segment
+its tables get in the bucket: its real segments, read from the tables the host made, and the
+padding segments ``_fill`` adds (pieces of PADDING_SEGMENT_ROWS, the rest in the last). It is a
+promise the runtime keeps by construction and the op checks on CPU tables (the padded path in the
+tests); a call whose tables are on the GPU (reading them would sync) runs at capacity. Only
+programs whose every kimi_cg varlen attention takes a boundary input as is get classes (the same
+condition as NOTE [one segment on cuDNN]); attention ops kimi_cg does not implement keep C. The
+bounded graphs share the buckets' static inputs and pool and copy their outputs into the capacity
+graph's output buffers at their end, so a bucket keeps one set of outputs; one that cannot be
+captured turns classes off for the program.
+
 All buckets share one graph memory pool and are captured largest first (smaller graphs reuse the
 largest one's blocks). Without CUDA the same padded path runs without capture (CPU tests cover
 the padding and slicing logic; only the capture itself needs a GPU).
@@ -73,7 +91,7 @@ from kimi_cg.capture import example_value
 from kimi_cg.counters import counters, timings
 from kimi_cg.device_program import DeviceProgram
 from kimi_cg.fallback import record_fallback
-from kimi_cg.ops.varlen_attention import dense_single_segment
+from kimi_cg.ops.varlen_attention import dense_single_segment, longest_segment_bound
 from kimi_cg.varlen_registry import argument, registered_bounds, registered_segments
 
 logger = logging.getLogger(__name__)
@@ -92,10 +110,28 @@ EXACT_GRAPH_SIGHTINGS = 3
 MAX_SIGHTINGS = 4096
 
 
-def _attention_context(capacity: int, exact: bool):
+# NOTE [segment-length classes]: flash's query blocks are 128 rows; a class bound is a multiple of it.
+CLASS_BOUND_ROWS = 128
+
+
+def _attention_context(capacity: int, exact: bool, bound: int | None = None):
     """What a run of a graph of ``capacity`` rows runs under: an exact-size graph's one segment on
-    cuDNN (NOTE [one segment on cuDNN]), a bucket's attention as it is."""
-    return dense_single_segment(capacity) if exact else contextlib.nullcontext()
+    cuDNN (NOTE [one segment on cuDNN]), a bucket's segments bounded by ``bound`` (NOTE
+    [segment-length classes]), or a bucket's attention as it is."""
+    if exact:
+        return dense_single_segment(capacity)
+    return longest_segment_bound(capacity, bound) if bound is not None else contextlib.nullcontext()
+
+
+def class_bounds(capacity: int, classes: int) -> list[int]:
+    """NOTE [segment-length classes]: the bounds below ``capacity`` a bucket is also captured at,
+    largest first (capacity / 2, / 4, ..., rounded up to CLASS_BOUND_ROWS)."""
+    bounds = []
+    for j in range(1, classes):
+        bound = -(-capacity // (2 ** j * CLASS_BOUND_ROWS)) * CLASS_BOUND_ROWS
+        if bound < capacity and bound not in bounds:
+            bounds.append(bound)
+    return bounds
 
 
 def _packet(target):
@@ -329,6 +365,10 @@ class _Bucket:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.padding_steps: torch.Tensor | None = None  # PADDING_SEGMENT_ROWS * (1, 2, ...): NOTE [segment tables]
         self.graph_bytes = 0  # what its capture added to the graph pool
+        # NOTE [segment-length classes]: the shorter bounds this bucket runs at, largest first, and
+        # (on CUDA) a graph per bound, each writing the same output buffers as ``graph``.
+        self.bounds: list[int] = []
+        self.class_graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
 
 def _indexes_leading_dim(index, node) -> bool:
@@ -344,7 +384,7 @@ class BucketedGraphs:
 
     def __init__(self, program: DeviceProgram, rules: list[InputRule], buckets: tuple[int, ...], max_items: int,
                  max_frames: int, capture: bool, poison_pool: bool = False, exact_rows: bool = False,
-                 exact_graphs: int = 0):
+                 exact_graphs: int = 0, length_classes: int = 1):
         self.program = program
         self.rules = rules
         # Per-call loops skip the static inputs (the weights, hundreds of them): they need no copy.
@@ -373,6 +413,7 @@ class BucketedGraphs:
         self.exact: collections.OrderedDict[int, _Bucket] = collections.OrderedDict()
         self.sightings: dict[int, int] = {}
         self._exact_tables_checked: bool | None = None
+        self.length_classes = length_classes  # NOTE [segment-length classes]; 1: each bucket at its capacity only
         self.pool = None
         self.graph_bytes = 0
         # NOTE [concurrent calls]: the buckets' static buffers and the graph pool are shared by
@@ -734,8 +775,10 @@ class BucketedGraphs:
                     bucket.inputs = self._allocate(capacity, inputs)
                     slots = max((self.segment_slots(i, capacity) for i, rule in self.padded if rule.kind == "cu_seqlens"), default=0)
                     bucket.padding_steps = torch.arange(1, slots + 1, dtype=torch.int32, device=self._device(inputs)) * PADDING_SEGMENT_ROWS
+                    bucket.bounds = self._class_bounds(capacity)
                     if self.capture:
                         self._capture(bucket, inputs)
+                        self._capture_classes(bucket, inputs)
                 except torch.OutOfMemoryError as error:
                     del bucket
                     self._drop_bucket(capacity, error)
@@ -802,6 +845,83 @@ class BucketedGraphs:
         self.graph_bytes += bucket.graph_bytes
         counters["exact_size_captures" if exact else "captures"] += 1
 
+    def _class_bounds(self, capacity: int) -> list[int]:
+        """NOTE [segment-length classes]: the shorter bounds a bucket of ``capacity`` runs at; none
+        when classes are off or the program has no kimi_cg varlen attention whose table is a boundary
+        input as is (only such tables are the ones the runtime reads the longest segment from)."""
+        if self.length_classes <= 1 or self.exact_rows or not self._tables_are_inputs():
+            return []
+        gm = self.program.gm
+        if not any(n.op == "call_function" and _packet(n.target) is _VARLEN_ATTENTION for n in gm.graph.nodes):
+            return []
+        return class_bounds(capacity, self.length_classes)
+
+    def _capture_classes(self, bucket: _Bucket, inputs) -> None:
+        """NOTE [segment-length classes]: a graph per shorter bound, each writing the bucket's output
+        buffers. One that cannot be made turns classes off for the program (its buckets replay at
+        their capacity, as without classes)."""
+        if not bucket.bounds or bucket.graph is None:
+            return
+        arguments = self._arguments(bucket, inputs)
+        try:
+            for bound in bucket.bounds:
+                before = torch.cuda.memory_allocated()
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream), longest_segment_bound(bucket.capacity, bound):
+                    self.program(*arguments)  # allocator warm-up; the program is compiled already
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool), longest_segment_bound(bucket.capacity, bound):
+                    outputs = tuple(self.program(*arguments))
+                    if len(outputs) != len(bucket.outputs):
+                        raise RuntimeError("a bounded run returned another number of outputs")
+                    for target, value in zip(bucket.outputs, outputs):
+                        if isinstance(target, torch.Tensor):
+                            if not isinstance(value, torch.Tensor) or value.shape != target.shape:
+                                raise RuntimeError("a bounded run returned outputs of other shapes")
+                            target.copy_(value)
+                    del outputs
+                bucket.class_graphs[bound] = graph
+                grown = max(0, torch.cuda.memory_allocated() - before)
+                bucket.graph_bytes += grown
+                self.graph_bytes += grown
+                counters["length_class_captures"] += 1
+        except Exception as error:  # noqa: BLE001 - out of memory or a failed capture: classes off, buckets stay
+            self.length_classes = 1
+            for each in (*self.buckets.values(), bucket):
+                each.bounds, each.class_graphs = [], {}
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+            counters["length_class_failures"] += 1
+            logger.warning("kimi_cg: segment-length classes are off for a device program (%s: %s); its buckets "
+                           "replay at their capacity", type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+
+    def _bound_for(self, bucket: _Bucket, inputs, host_side: dict | None) -> int | None:
+        """NOTE [segment-length classes]: the smallest of the bucket's bounds that holds every segment
+        this call's tables get in it (real and padding), or None (its capacity). Reads host-made
+        tables only: a table on the GPU would cost a sync to read, and such calls run at capacity."""
+        if not bucket.bounds:
+            return None
+        host_side = host_side or {}
+        capacity, rows, longest = bucket.capacity, self._patches(inputs), 0
+        for i, rule in self.padded:
+            if rule.kind != "cu_seqlens":
+                continue
+            table = host_side.get(i, inputs[i])
+            if table.device.type != "cpu":
+                return None
+            boundaries = table.tolist()
+            longest = max(longest, max((b - a for a, b in zip(boundaries, boundaries[1:])), default=0))
+            padding = bucket.inputs[i].shape[0] - len(boundaries)  # entries _fill writes after the real ones
+            if padding == 1:
+                longest = max(longest, capacity - rows)
+            elif padding > 1:  # pieces of PADDING_SEGMENT_ROWS, the rest in the last (NOTE [segment tables])
+                longest = max(longest, min(PADDING_SEGMENT_ROWS, capacity - rows),
+                              capacity - min(rows + PADDING_SEGMENT_ROWS * (padding - 1), capacity))
+        return next((bound for bound in reversed(bucket.bounds) if bound >= longest), None)
+
     def _fill_pool_with_nan(self, inputs) -> None:
         """Capture and replay a graph that fills (and frees) a large block of the pool with NaN; the
         bucket graphs captured next reuse those blocks for their intermediates."""
@@ -815,11 +935,12 @@ class BucketedGraphs:
         graph.replay()
         torch.cuda.synchronize()
 
-    def run(self, inputs, capacity: int, exact: bool = False):
+    def run(self, inputs, capacity: int, exact: bool = False, host_side: dict | None = None):
         """Replay the bucket of ``capacity`` on these inputs (with ``exact``, the exact-size graph of
-        that many rows, made at its first use: NOTE [exact-size graphs]); None when that bucket was
-        dropped (NOTE [memory pressure]) or the exact-size graph could not be made: the caller then
-        chooses again or runs the plain program."""
+        that many rows, made at its first use: NOTE [exact-size graphs]; else the graph of the call's
+        segment-length class: NOTE [segment-length classes]); None when that bucket was dropped (NOTE
+        [memory pressure]) or the exact-size graph could not be made: the caller then chooses again
+        or runs the plain program. ``host_side``: as in ``choose_exact``."""
         rows = self.program.output_rows(inputs)
         with self.lock:  # NOTE [concurrent calls]
             self.prepare(inputs)
@@ -829,16 +950,24 @@ class BucketedGraphs:
             if self._last_use is not None:
                 torch.cuda.current_stream().wait_event(self._last_use)
             self._fill(bucket, inputs)
+            bound = None if exact else self._bound_for(bucket, inputs, host_side)
+            graph = bucket.graph if bound is None else bucket.class_graphs.get(bound)
             if bucket.graph is not None:
-                bucket.graph.replay()
+                if graph is None:  # (classes turned off since this bucket was captured)
+                    graph, bound = bucket.graph, None
+                graph.replay()
                 outputs = bucket.outputs
                 counters["graph_replays"] += 1
                 if exact:
                     counters["exact_size_replays"] += 1
+                if bound is not None:
+                    counters["length_class_replays"] += 1
             else:
-                with _attention_context(capacity, exact):
+                with _attention_context(capacity, exact, bound):
                     outputs = tuple(self.program(*self._arguments(bucket, inputs)))
                 counters["padded_runs"] += 1
+                if bound is not None:
+                    counters["length_class_runs"] += 1
             results = tuple(
                 out[:n].clone() if isinstance(out, torch.Tensor) and n is not None else out for out, n in zip(outputs, rows)
             )

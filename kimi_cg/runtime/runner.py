@@ -214,10 +214,10 @@ class LiftedRunner:
         capacity = graphs.choose(device_args)
         if capacity is None:
             return None
-        result = graphs.run(device_args, capacity)
+        result = graphs.run(device_args, capacity, host_side=host_side)
         if result is None:  # that bucket was dropped for memory: choose among the rest
             capacity = graphs.choose(device_args)
-            result = graphs.run(device_args, capacity) if capacity is not None else None
+            result = graphs.run(device_args, capacity, host_side=host_side) if capacity is not None else None
         if result is not None and record is not None:
             rows = graphs.patch_rows(device_args)
             record.update(path="replay", bucket=capacity, rows=rows, padding=capacity - rows)
