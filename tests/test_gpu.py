@@ -118,6 +118,33 @@ def test_repeated_single_images_replay_exact_size_graphs_bf16():
     assert counters.get("exact_size_graph_failures", 0) == 0, counters
 
 
+def test_exact_size_graphs_made_and_dropped_do_not_grow_memory():
+    """Each capture ran its warm-up on a new stream, and cuBLAS keeps a workspace per stream for the
+    life of the process: exact-size graphs made and dropped (the LRU of ``exact_size_graphs``) grew
+    GPU memory with every capture. Captures now share one side stream per device."""
+    torch.manual_seed(0)
+    model = MoonVitPretrainedModel(MoonVitConfig.tiny()).cuda().to(torch.bfloat16).eval()
+    compiled = torch.compile(model, backend="kimi_cg", options={"exact_size_graphs": 2,
+                                                                  "token_budgets": [512, 1024, 2048]})
+    make_inputs = pixel_inputs("cuda", torch.bfloat16)
+
+    def churn(sizes):
+        with torch.no_grad():
+            for size in sizes:
+                for _ in range(3):  # a size's third call makes its graph, dropping the oldest
+                    compiled(*make_inputs([size]))
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated()
+
+    before = churn([[8, 8], [10, 10], [12, 12]])
+    captures = kimi_cg.counters["exact_size_captures"]
+    after = churn([[14, 14], [16, 16], [18, 18], [20, 20], [22, 22], [24, 24]])
+    assert kimi_cg.counters["exact_size_captures"] == captures + 6 and kimi_cg.counters["exact_size_graphs_dropped"] >= 6
+    # Two graphs are kept; the larger sizes' buffers and outputs are a few MB in the tiny config, a
+    # cuBLAS workspace per capture tens of MB.
+    assert after - before < 16 * 2**20, (before, after)
+
+
 # Frame counts per item in the fuzz: transformers 5.17's Kimi-K2.5 temporal merger needs one t per batch
 # (images only); GLM-4V takes one [1, h, w] row per frame; the Qwen towers take 2-temporal-patch
 # videos. Qwen2.5-VL's first calls run eagerly and then unpadded while its forward is traced (NOTE

@@ -357,6 +357,36 @@ class SplitPlan:
         return flat == sorted(flat)
 
 
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+_SIDE_STREAMS_LOCK = threading.Lock()
+
+
+def _side_stream() -> torch.cuda.Stream:
+    """The stream every capture's warm-up runs on, one per device for the process. A new stream per
+    capture grew GPU memory by tens of MB with every capture and never gave it back (a per-stream
+    cuBLAS workspace is the likely holder), exact-size graphs made and dropped over a long run
+    included. H200, 2026-12-04: the real Kimi-VL config's first call held 1839 MB (17 buckets, 3
+    graphs each) and 1375 MB (1 each) with a stream per capture, 847 MB with this one;
+    tests/test_gpu.py's churn of exact-size graphs grew 209 MB over 6 captures before, under 16 after."""
+    device = torch.cuda.current_device()
+    with _SIDE_STREAMS_LOCK:
+        if device not in _SIDE_STREAMS:
+            _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+        return _SIDE_STREAMS[device]
+
+
+def _copy_outputs(outputs, targets) -> None:
+    """A bounded graph's outputs into its bucket's output buffers (NOTE [segment-length classes])."""
+    outputs = tuple(outputs)
+    if len(outputs) != len(targets):
+        raise RuntimeError("a bounded run returned another number of outputs")
+    for target, value in zip(targets, outputs):
+        if isinstance(target, torch.Tensor):
+            if not isinstance(value, torch.Tensor) or value.shape != target.shape:
+                raise RuntimeError("a bounded run returned outputs of other shapes")
+            target.copy_(value)
+
+
 class _Bucket:
     def __init__(self, capacity: int):
         self.capacity = capacity
@@ -831,7 +861,7 @@ class BucketedGraphs:
             if self.poison_pool:
                 self._fill_pool_with_nan(arguments)
         before = torch.cuda.memory_allocated()
-        stream = torch.cuda.Stream()
+        stream = _side_stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), dense:
             for _ in range(2):  # compile, autotune, cuDNN plans and allocator warm-up stay out of the graph
@@ -866,22 +896,14 @@ class BucketedGraphs:
         try:
             for bound in bucket.bounds:
                 before = torch.cuda.memory_allocated()
-                stream = torch.cuda.Stream()
+                stream = _side_stream()
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream), longest_segment_bound(bucket.capacity, bound):
                     self.program(*arguments)  # allocator warm-up; the program is compiled already
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool), longest_segment_bound(bucket.capacity, bound):
-                    outputs = tuple(self.program(*arguments))
-                    if len(outputs) != len(bucket.outputs):
-                        raise RuntimeError("a bounded run returned another number of outputs")
-                    for target, value in zip(bucket.outputs, outputs):
-                        if isinstance(target, torch.Tensor):
-                            if not isinstance(value, torch.Tensor) or value.shape != target.shape:
-                                raise RuntimeError("a bounded run returned outputs of other shapes")
-                            target.copy_(value)
-                    del outputs
+                    _copy_outputs(self.program(*arguments), bucket.outputs)  # (its outputs die inside the capture)
                 bucket.class_graphs[bound] = graph
                 grown = max(0, torch.cuda.memory_allocated() - before)
                 bucket.graph_bytes += grown
