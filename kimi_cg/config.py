@@ -33,8 +33,10 @@ MAX_BUCKETS_PER_DOUBLING = 64
 of 1.011 between buckets, finer than padding ever needs."""
 
 MAX_EXACT_SIZE_GRAPHS = 1024
-MAX_LENGTH_CLASSES = 8
 """Each exact-size graph keeps its input and output buffers alive."""
+
+MAX_LENGTH_CLASSES = 8
+"""Bounds down to C / 128: below that a bound is one flash query block for most buckets."""
 
 MAX_BATCH_CACHE_SIZE = 1024
 """Each cached batch keeps its whole host pass (metadata for every item) alive."""

@@ -220,7 +220,7 @@ def test_split_packs_sorted_items_and_restores_call_order(build, grid, monkeypat
     compiled = torch.compile(model, backend="kimi_cg", options=OPTIONS)
     runs = []
     original = BucketedGraphs.run
-    monkeypatch.setattr(BucketedGraphs, "run", lambda self, inputs, capacity: runs.append(capacity) or original(self, inputs, capacity))
+    monkeypatch.setattr(BucketedGraphs, "run", lambda self, inputs, capacity, **kwargs: runs.append(capacity) or original(self, inputs, capacity, **kwargs))
     with torch.no_grad():
         for seed, g in enumerate([[row[:-2] + [2, 2] for row in grid[:1]], grid]):
             runs.clear()

@@ -51,7 +51,7 @@ def test_video_split_keeps_sorted_packing_when_ratios_are_ambiguous(monkeypatch)
     model, compiled = compiled_video_tower({"cuda_graphs": True, "token_budgets": [384]})
     runs = []
     original = BucketedGraphs.run
-    monkeypatch.setattr(BucketedGraphs, "run", lambda self, inputs, capacity: runs.append(capacity) or original(self, inputs, capacity))
+    monkeypatch.setattr(BucketedGraphs, "run", lambda self, inputs, capacity, **kwargs: runs.append(capacity) or original(self, inputs, capacity, **kwargs))
     with torch.no_grad():
         assert_matches_eager(compiled, model, [[1, 4, 6]], seed=0)
         runs.clear()

@@ -52,8 +52,9 @@ varlen attention takes such a table as is qualify.
 NOTE [segment-length classes]
 Flash launches (max_seqlen / 128) query blocks per segment of a table, and in a bucket max_seqlen
 is its capacity C, so a bucket's attention pays for the blocks of max_items + 1 segments of C rows
-whatever the call's segments are (issue 14: 1.48x the attention time of exact segments over W4-like
-requests on the H200). So each bucket is also captured at shorter bounds, C / 2, C / 4, ...
+whatever the call's segments are (on the H200, over W4-like requests on kimi_cg's bucket ladder:
+1.13x the attention time of exact segments; 1.07x with classes, docs/benchmarks.md, 2026-12-04).
+So each bucket is also captured at shorter bounds, C / 2, C / 4, ...
 (``attention_length_classes`` graphs in all, bounds rounded up to 128 rows): the same program under
 ``longest_segment_bound(C, B)`` (kimi_cg/ops/varlen_attention.py), whose flash calls over C rows
 take max_seqlen = B. A call replays the graph of the smallest bound that holds the longest segment
