@@ -3,6 +3,8 @@ needs CUDA: tests/test_gpu.py)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -529,3 +531,38 @@ def test_calls_run_at_the_smallest_segment_length_class_that_holds_them(monkeypa
     assert bounds == [(256, 128), (256, 128), (1024, 512)]
     assert kimi_cg.counters["length_class_runs"] == 4
     assert kimi_cg.counters["eager_fallbacks"] == 0 and kimi_cg.counters["call_fallbacks"] == 0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_longest_segment_read_on_the_host_is_the_filled_tables(seed):
+    """NOTE [segment-length classes]: the bound a call replays is chosen from the longest segment
+    computed on the host; it must be exactly the longest of the tables ``_fill`` writes (real
+    segments, padding pieces, the rest), for item tables and dense ones, at every bucket that fits."""
+    import random
+
+    from kimi_cg.runtime.graphs import BucketedGraphs, InputRule
+
+    rng = random.Random(seed)
+    for dense in (False, True):  # item tables (a long last padding piece), then dense ones (many short pieces)
+        items = rng.choice([2, 4, 8])
+        runtime = BucketedGraphs(_Recorder(), [InputRule("rows"), InputRule("cu_seqlens")],
+                                 buckets=(128, 512, 1024, 4096), max_items=items, max_frames=2, capture=False)
+        checked, last_piece_longest = 0, 0
+        for _ in range(60):
+            lengths = [rng.choice([1, 7, 16, 64, 100, 300, 900]) for _ in range(rng.randint(1, 12 if dense else items))]
+            table = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32)
+            x = torch.randn(int(table[-1]), 3)
+            if dense:
+                runtime.make_tables_dense([x, table])
+            if runtime.choose([x, table]) is None:
+                continue
+            for capacity in [c for c in runtime.capacities if c >= x.shape[0]]:
+                if len(lengths) + 1 > runtime.segment_slots(1, capacity):
+                    continue
+                runtime.run([x, table], capacity)  # prepares the buckets and fills this one
+                filled = runtime.buckets[capacity].inputs[1].tolist()
+                longest = max(b - a for a, b in zip(filled, filled[1:]))
+                assert runtime.longest_segment(runtime.buckets[capacity], [x, table]) == longest, (filled, capacity)
+                checked += 1
+                last_piece_longest += filled[-1] - filled[-2] == longest > max(lengths)
+        assert checked >= 30 and (dense or last_piece_longest >= 5)

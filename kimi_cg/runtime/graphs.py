@@ -927,6 +927,12 @@ class BucketedGraphs:
         tables only: a table on the GPU would cost a sync to read, and such calls run at capacity."""
         if not bucket.bounds:
             return None
+        longest = self.longest_segment(bucket, inputs, host_side)
+        return None if longest is None else next((bound for bound in reversed(bucket.bounds) if bound >= longest), None)
+
+    def longest_segment(self, bucket: _Bucket, inputs, host_side: dict | None = None) -> int | None:
+        """The longest segment of the tables ``_fill`` writes for this call into ``bucket``, from the
+        host-made tables alone (no read of the device), or None when a table is on the device."""
         host_side = host_side or {}
         capacity, rows, longest = bucket.capacity, self._patches(inputs), 0
         for i, rule in self.padded:
@@ -943,7 +949,7 @@ class BucketedGraphs:
             elif padding > 1:  # pieces of PADDING_SEGMENT_ROWS, the rest in the last (NOTE [segment tables])
                 longest = max(longest, min(PADDING_SEGMENT_ROWS, capacity - rows),
                               capacity - min(rows + PADDING_SEGMENT_ROWS * (padding - 1), capacity))
-        return next((bound for bound in reversed(bucket.bounds) if bound >= longest), None)
+        return longest
 
     def _fill_pool_with_nan(self, inputs) -> None:
         """Capture and replay a graph that fills (and frees) a large block of the pool with NaN; the
