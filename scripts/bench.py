@@ -16,6 +16,8 @@ Times are wall-clock per call with CUDA synchronisation before and after (end to
 included). For kimi_cg, W1 also reports replay-only time (CUDA events around graph.replay()) and
 host overhead (end to end minus replay) and a cProfile of its host side. The torch.compile systems
 run under dynamo's stock settings (class StockDynamo). Results are written to --out after each one.
+Systems: eager, inductor, inductor_reduce_overhead, seed_style, kimi_cg, and kimi_cg variants with one
+lever off for same-process comparisons (KIMI_CG_VARIANTS: kimi_cg_one_length_class).
 """
 
 from __future__ import annotations
