@@ -242,7 +242,8 @@ def _bucketed_graphs(config: KimiCGConfig, lifted, inputs, device, example_input
         # guards send only that L here), so it gets one graph of exactly that size.
         buckets = (max(int(rows) for rows in _activation_rows(inputs)),)
     rules = input_rules(device, device_input_kinds(lifted, inputs))
-    key = (tuple(rules), buckets, config.max_items, config.max_frames, on_cuda, config.poison_graph_pool)
+    key = (tuple(rules), buckets, config.max_items, config.max_frames, on_cuda, config.poison_graph_pool,
+           config.exact_size_graphs, config.attention_length_classes)
     # The key holds one rule per device input (hundreds: the weights), and a tuple rehashes its
     # items on every lookup: equal keys get one small int per device program, once, here.
     key = device.configurations.setdefault(key, len(device.configurations))

@@ -566,3 +566,18 @@ def test_the_longest_segment_read_on_the_host_is_the_filled_tables(seed):
                 checked += 1
                 last_piece_longest += filled[-1] - filled[-2] == longest > max(lengths)
         assert checked >= 30 and (dense or last_piece_longest >= 5)
+
+
+def test_one_model_compiled_with_and_without_length_classes_keeps_each_option():
+    """Graph sets are shared by equal device programs of one model's weights; the graph options are
+    part of that key, so a second compile with other options does not inherit the first one's graphs."""
+    torch.manual_seed(0)
+    model = KimiVLVisionEncoder(MoonVitConfig.tiny(attn_implementation="sdpa")).eval()
+    with_classes = torch.compile(model, backend="kimi_cg", options={**OPTIONS, "exact_size_graphs": 0})
+    without = torch.compile(model, backend="kimi_cg", options={**OPTIONS, "exact_size_graphs": 0, "attention_length_classes": 1})
+    with torch.no_grad():
+        assert_matches_eager(with_classes, model, [[4, 6], [2, 8]], 1)
+        runs = kimi_cg.counters["length_class_runs"]
+        assert runs > 0
+        assert_matches_eager(without, model, [[4, 6], [2, 8]], 1)
+        assert kimi_cg.counters["length_class_runs"] == runs
