@@ -861,20 +861,29 @@ class BucketedGraphs:
             self.pool = torch.cuda.graph_pool_handle()
             if self.poison_pool:
                 self._fill_pool_with_nan(arguments)
+        # Two warm-up runs: compile, autotune, cuDNN plans and allocator warm-up stay out of the graph.
+        bucket.graph, bucket.outputs, bucket.graph_bytes = self._captured(arguments, dense, warm_up_runs=2)
+        self.graph_bytes += bucket.graph_bytes
+        counters["exact_size_captures" if exact else "captures"] += 1
+
+    def _captured(self, arguments, context, warm_up_runs: int, into: tuple | None = None):
+        """(graph, outputs, bytes it added to the pool): the program on ``arguments`` under
+        ``context``, run ``warm_up_runs`` times on the side stream, then captured into the pool. With
+        ``into``, the graph copies its outputs into those buffers (its own die inside the capture)."""
         before = torch.cuda.memory_allocated()
         stream = _side_stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), dense:
-            for _ in range(2):  # compile, autotune, cuDNN plans and allocator warm-up stay out of the graph
+        with torch.cuda.stream(stream), context:
+            for _ in range(warm_up_runs):
                 self.program(*arguments)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool), dense:
-            bucket.outputs = tuple(self.program(*arguments))
-        bucket.graph = graph
-        bucket.graph_bytes = max(0, torch.cuda.memory_allocated() - before)
-        self.graph_bytes += bucket.graph_bytes
-        counters["exact_size_captures" if exact else "captures"] += 1
+        with torch.cuda.graph(graph, pool=self.pool), context:
+            outputs = tuple(self.program(*arguments))
+            if into is not None:
+                _copy_outputs(outputs, into)
+                outputs = into
+        return graph, outputs, max(0, torch.cuda.memory_allocated() - before)
 
     def _class_bounds(self, capacity: int) -> list[int]:
         """NOTE [segment-length classes]: the shorter bounds a bucket of ``capacity`` runs at; none
@@ -896,17 +905,10 @@ class BucketedGraphs:
         arguments = self._arguments(bucket, inputs)
         try:
             for bound in bucket.bounds:
-                before = torch.cuda.memory_allocated()
-                stream = _side_stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream), longest_segment_bound(bucket.capacity, bound):
-                    self.program(*arguments)  # allocator warm-up; the program is compiled already
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool), longest_segment_bound(bucket.capacity, bound):
-                    _copy_outputs(self.program(*arguments), bucket.outputs)  # (its outputs die inside the capture)
+                # One warm-up run (the allocator's): the program is compiled already.
+                graph, _, grown = self._captured(arguments, longest_segment_bound(bucket.capacity, bound),
+                                                 warm_up_runs=1, into=bucket.outputs)
                 bucket.class_graphs[bound] = graph
-                grown = max(0, torch.cuda.memory_allocated() - before)
                 bucket.graph_bytes += grown
                 self.graph_bytes += grown
                 counters["length_class_captures"] += 1
@@ -980,11 +982,9 @@ class BucketedGraphs:
                 torch.cuda.current_stream().wait_event(self._last_use)
             self._fill(bucket, inputs)
             bound = None if exact else self._bound_for(bucket, inputs, host_side)
-            graph = bucket.graph if bound is None else bucket.class_graphs.get(bound)
             if bucket.graph is not None:
-                if graph is None:  # (classes turned off since this bucket was captured)
-                    graph, bound = bucket.graph, None
-                graph.replay()
+                # A captured bucket has a graph per bound it lists (failures clear both).
+                (bucket.graph if bound is None else bucket.class_graphs[bound]).replay()
                 outputs = bucket.outputs
                 counters["graph_replays"] += 1
                 if exact:
