@@ -1,4 +1,5 @@
-"""Tests of the Triton merge-gather kernels (kernels/merge_gather.py) and their custom ops.
+"""Tests of the Triton merge-gather kernels (kernels/merge_gather.py), the bicubic resize kernel
+(kernels/resize.py) and their custom ops.
 
 Without CUDA the kernels run on CPU tensors through Triton's interpreter: TRITON_INTERPRET must be
 set before the kernel module is imported, because @triton.jit picks the interpreter when it
@@ -21,6 +22,9 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import kimi_cg.ops  # noqa: E402,F401  (registers torch.ops.kimi_cg.*)
+import torch.nn.functional as F  # noqa: E402
+
+from kimi_cg.kernels import resize as resize_kernel  # noqa: E402
 from kimi_cg.kernels.merge_gather import (  # noqa: E402
     merge_gather,
     merge_gather_layernorm,
@@ -488,3 +492,83 @@ def test_ops_compile_fullgraph(monkeypatch):
         atol=0,
         rtol=0,
     )
+
+
+# --- bicubic resize (kernels/resize.py) ---------------------------------------------------------
+
+
+def _resize_inputs(n, channels, in_h, in_w, seed, dtype=torch.float32, hwc=False):
+    """x [N, C, H, W]; hwc: a table stored [H, W, C] viewed as [1, C, H, W] (how towers hold it)."""
+    generator = torch.Generator().manual_seed(seed)
+    if hwc:
+        return torch.randn(in_h, in_w, channels, generator=generator).to(dtype).to(DEVICE).permute(2, 0, 1).unsqueeze(0)
+    return torch.randn(n, channels, in_h, in_w, generator=generator).to(dtype).to(DEVICE)
+
+
+@settings(deadline=None, max_examples=25)
+@given(in_h=st.integers(1, 20), in_w=st.integers(1, 20), out_h=st.integers(1, 40), out_w=st.integers(1, 40),
+       channels=st.sampled_from([1, 3, 130]), hwc=st.booleans(), seed=st.integers(0, 2**16))
+def test_resize_kernel_matches_aten_bicubic_fp32(in_h, in_w, out_h, out_w, channels, hwc, seed):
+    x = _resize_inputs(2, channels, in_h, in_w, seed, hwc=hwc)
+    got = resize_kernel.bicubic_resize(x, out_h, out_w)
+    want = F.interpolate(x, size=(out_h, out_w), mode="bicubic", align_corners=False)
+    assert got.shape == want.shape and got.dtype == want.dtype and got.is_contiguous()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=5e-5)
+
+
+# The interpreter runs each program in NumPy: the real table's 1152 channels only on CUDA.
+TABLE_CHANNELS = 1152 if DEVICE == "cuda" else 136
+
+
+def test_resize_kernel_same_size_is_the_identity_and_writes_every_element():
+    x = _resize_inputs(1, TABLE_CHANNELS, 64, 64, 0, hwc=True)
+    assert torch.equal(resize_kernel.bicubic_resize(x, 64, 64), x.contiguous())
+    # The output is torch.empty: an unwritten element would be whatever the allocator held. Fill the
+    # caching allocator's blocks with NaN first on CUDA (on CPU fresh memory is compared in full too).
+    for size in [(1, 1), (17, 3), (70, 9)]:
+        if DEVICE == "cuda":
+            torch.full((1, TABLE_CHANNELS, *size), float("nan"), device=DEVICE)
+        got = resize_kernel.bicubic_resize(x, *size)
+        want = F.interpolate(x, size=size, mode="bicubic", align_corners=False)
+        assert not torch.isnan(got).any()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=5e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_resize_kernel_low_precision_rounds_once(dtype):
+    # float32 arithmetic and one cast: within one unit in the last place of the float32 result.
+    x = _resize_inputs(1, TABLE_CHANNELS, 64, 64, 1, dtype=dtype, hwc=True)
+    for size in [(32, 32), (2, 64), (30, 44), (70, 9)]:
+        got = resize_kernel.bicubic_resize(x, *size)
+        exact = F.interpolate(x.float(), size=size, mode="bicubic", align_corners=False)
+        assert got.dtype == dtype and not torch.isnan(got).any()
+        ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
+        torch.testing.assert_close(got.float(), exact, rtol=ulp, atol=1e-4)
+
+
+def test_resize_kernel_bad_inputs_raise():
+    with pytest.raises(ValueError, match="expects \\[N, C, H, W\\]"):
+        resize_kernel.bicubic_resize(torch.randn(3, 8, 8, device=DEVICE), 4, 4)
+    with pytest.raises(ValueError, match="positive sizes"):
+        resize_kernel.bicubic_resize(torch.randn(1, 1, 8, 8, device=DEVICE), 0, 4)
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+        resize_kernel.bicubic_resize(torch.ones(1, 1, 8, 8, dtype=torch.int32, device=DEVICE), 4, 4)
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU tensors needs TRITON_INTERPRET=1"
+)
+def test_resize_op_runs_the_kernel_when_asked(monkeypatch):
+    from kimi_cg.ops.resize import bicubic_resize_on_host
+
+    calls = []
+    kernel = resize_kernel.bicubic_resize
+    monkeypatch.setattr(resize_kernel, "bicubic_resize", lambda *a: calls.append(a) or kernel(*a))
+    x = _resize_inputs(1, 8, 64, 64, 2, hwc=True)
+    monkeypatch.delenv("KIMI_CG_TRITON_ON_CPU", raising=False)
+    matrices = torch.ops.kimi_cg.bicubic_resize(x, 21, 37)
+    assert not calls
+    monkeypatch.setenv("KIMI_CG_TRITON_ON_CPU", "1")
+    for got in (torch.ops.kimi_cg.bicubic_resize(x, 21, 37), bicubic_resize_on_host(x, 21, 37)):
+        torch.testing.assert_close(got, matrices, rtol=1e-5, atol=5e-5)
+    assert len(calls) == 2

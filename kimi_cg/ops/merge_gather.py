@@ -27,13 +27,14 @@ _LIBRARY_NAMESPACE = "kimi_cg"
 _TRITON_ON_CPU_ENV = "KIMI_CG_TRITON_ON_CPU"
 
 
-def _use_triton(x: torch.Tensor) -> bool:
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether the kimi_cg ops run their Triton kernels on x's device (CUDA, or CPU when asked)."""
     return x.device.type == "cuda" or os.environ.get(_TRITON_ON_CPU_ENV) == "1"
 
 
 @torch.library.custom_op(f"{_LIBRARY_NAMESPACE}::merge_gather", mutates_args=())
 def merge_gather(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    if _use_triton(x):
+    if use_triton(x):
         from kimi_cg.kernels.merge_gather import merge_gather as merge_gather_triton
 
         return merge_gather_triton(x, index, weight)
@@ -56,7 +57,7 @@ def merge_gather_layernorm(
     ln_bias: torch.Tensor,
     eps: float,
 ) -> torch.Tensor:
-    if _use_triton(x):
+    if use_triton(x):
         from kimi_cg.kernels.merge_gather import merge_gather_layernorm as merge_gather_layernorm_triton
 
         return merge_gather_layernorm_triton(x, index, weight, ln_weight, ln_bias, eps)

@@ -1,4 +1,4 @@
-"""Bicubic resize as two small matrix products: ``torch.ops.kimi_cg.bicubic_resize``.
+"""Bicubic resize of position grids: ``torch.ops.kimi_cg.bicubic_resize`` (two small matrix products, or one kernel on CUDA).
 
     x:        [N, C, H, W]  float32 / bfloat16 / float16
     returns   [N, C, h, w]  x.dtype, equal to ``F.interpolate(x, size=(h, w), mode="bicubic")``
@@ -11,11 +11,19 @@ A_h [h, H] and A_w [w, W] holding each output position's four cubic-convolution 
 half-pixel centres, taps clamped to the border, so a clamped tap adds its weight to the border
 column). Both matrices depend only on (H, h) and (W, w): they are built once in float64 on the host
 and cached; the products run in float32 on x's device (microseconds) and round once to x.dtype.
+
+On CUDA the op runs the Triton kernel of ``kimi_cg.kernels.resize`` instead: the same taps and
+weights computed per output pixel in float32, one launch per call (a host program pays this once
+per new image size, on that request's critical path; the matrices cost five or six launches). On
+CPU the matrices run, or the kernel with ``KIMI_CG_TRITON_ON_CPU=1`` (through Triton's interpreter
+when ``TRITON_INTERPRET=1``: how CI tests it), as for the merge gather.
 """
 
 from __future__ import annotations
 
 import torch
+
+from kimi_cg.ops.merge_gather import use_triton
 
 _CUBIC_A = -0.75
 
@@ -79,6 +87,10 @@ def bicubic_resize(x: torch.Tensor, height: int, width: int) -> torch.Tensor:
 def bicubic_resize_on_host(x: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """The op's computation as a plain function: host programs call this one (NOTE [host calls skip
     the dispatcher] in host_program.py); the op is what traced programs see."""
+    if use_triton(x):
+        from kimi_cg.kernels.resize import bicubic_resize as bicubic_resize_triton
+
+        return bicubic_resize_triton(x, height, width)
     if x.dim() != 4:
         raise ValueError(f"bicubic_resize expects [N, C, H, W], got shape {tuple(x.shape)}")
     rows = resize_matrix(x.shape[2], height, x.device)
