@@ -3,6 +3,7 @@
     x:     [N, C, H, W]  float32 / bfloat16 / float16, any strides (a position table stored as
                          [H, W, C] and viewed as [1, C, H, W] is read in place)
     out:   [N, C, h, w]  x.dtype, contiguous, as ATen's bicubic returns it
+           (``bicubic_resize_rows``: [h * w, C] for N = 1, the rows a tower makes of it)
     equal to ``F.interpolate(x, size=(h, w), mode="bicubic", align_corners=False)`` up to float32
     rounding, cast to x.dtype once.
 
@@ -77,6 +78,9 @@ def _bicubic_resize_kernel(
     scale_h,
     scale_w,
     n_channels,
+    out_stride_n,
+    out_stride_c,
+    out_stride_pixel,
     BLOCK_PIXELS: tl.constexpr,
     BLOCK_CHANNELS: tl.constexpr,
 ):
@@ -109,33 +113,62 @@ def _bicubic_resize_kernel(
               wx0, wx1, wx2, wx3, mask)
     value = r0 * wy0[:, None] + r1 * wy1[:, None] + r2 * wy2[:, None] + r3 * wy3[:, None]
 
-    # out [N, C, h, w] contiguous: pixels are adjacent in memory, so the stores coalesce along them.
-    out_offsets = (n * n_channels + channels[None, :].to(tl.int64)) * n_pixels + pixels[:, None]
+    # Pixel p = i * w + j; [N, C, h, w] has out_stride_pixel 1, rows [h * w, C] have out_stride_c 1.
+    out_offsets = (n * out_stride_n + channels[None, :].to(tl.int64) * out_stride_c
+                   + pixels[:, None].to(tl.int64) * out_stride_pixel)
     tl.store(out_ptr + out_offsets, value.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_SCALES: dict[tuple[int, int], float] = {}
 
 
 def _float32_scale(in_size: int, out_size: int) -> float:
     # ATen divides in float32; a Python float holding that value reaches the kernel exactly.
-    return float(numpy.float32(in_size) / numpy.float32(out_size))
+    scale = _SCALES.get((in_size, out_size))
+    if scale is None:
+        if len(_SCALES) > 4096:
+            _SCALES.clear()
+        scale = _SCALES[(in_size, out_size)] = float(numpy.float32(in_size) / numpy.float32(out_size))
+    return scale
 
 
-def bicubic_resize(x: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """Triton bicubic resize: [N, C, H, W] -> [N, C, height, width] in x.dtype (contiguous)."""
+def _check(x: torch.Tensor, height: int, width: int) -> None:
     if x.dim() != 4:
         raise ValueError(f"bicubic_resize expects [N, C, H, W], got shape {tuple(x.shape)}")
     if x.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"bicubic_resize expects float32, bfloat16 or float16; got {x.dtype}")
     if height <= 0 or width <= 0 or x.shape[2] <= 0 or x.shape[3] <= 0:
         raise ValueError(f"bicubic resize needs positive sizes, got {tuple(x.shape[2:])} -> {(height, width)}")
+
+
+def _launch(x: torch.Tensor, out: torch.Tensor, height: int, width: int, out_strides: tuple[int, int, int]) -> None:
     n, channels, in_h, in_w = x.shape
-    out = torch.empty((n, channels, height, width), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
-        return out
+        return
     grid = (triton.cdiv(height * width, _BLOCK_PIXELS), triton.cdiv(channels, _BLOCK_CHANNELS), n)
     _bicubic_resize_kernel[grid](
-        x, out, x.stride(0), x.stride(1), x.stride(2), x.stride(3),
-        in_h, in_w, height, width,
-        _float32_scale(in_h, height), _float32_scale(in_w, width), channels,
+        x, out, *x.stride(), in_h, in_w, height, width,
+        _float32_scale(in_h, height), _float32_scale(in_w, width), channels, *out_strides,
         BLOCK_PIXELS=_BLOCK_PIXELS, BLOCK_CHANNELS=_BLOCK_CHANNELS, num_warps=4,
     )
+
+
+def bicubic_resize(x: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """Triton bicubic resize: [N, C, H, W] -> [N, C, height, width] in x.dtype (contiguous)."""
+    _check(x, height, width)
+    n, channels = x.shape[:2]
+    out = torch.empty((n, channels, height, width), dtype=x.dtype, device=x.device)
+    _launch(x, out, height, width, (channels * height * width, height * width, 1))
+    return out
+
+
+def bicubic_resize_rows(x: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """[1, C, H, W] -> [height * width, C]: ``bicubic_resize(x).squeeze(0).permute(1, 2, 0).flatten(0, 1)``
+    written in place of the copy that flatten makes (row i * width + j holds pixel (i, j))."""
+    _check(x, height, width)
+    if x.shape[0] != 1:
+        raise ValueError(f"bicubic_resize_rows expects one image [1, C, H, W], got shape {tuple(x.shape)}")
+    channels = x.shape[1]
+    out = torch.empty((height * width, channels), dtype=x.dtype, device=x.device)
+    _launch(x, out, height, width, (0, 1, channels))
     return out

@@ -234,9 +234,63 @@ def call_host_functions(gm: torch.fx.GraphModule) -> int:
         if node.op == "call_function" and node.target in functions:
             node.target = functions[node.target]
             changed += 1
+    changed += _fuse_resize_into_rows(gm.graph)
     if changed:
         gm.recompile()
     return changed
+
+
+def _only_user(node: torch.fx.Node, method: str, *args) -> torch.fx.Node | None:
+    """node's single user if it is ``node.<method>(*args)`` (permute's dims as a list too)."""
+    if len(node.users) != 1:
+        return None
+    user = next(iter(node.users))
+    if user.op != "call_method" or user.target != method or user.args[:1] != (node,) or user.kwargs:
+        return None
+    given = tuple(user.args[1:])
+    if method == "permute" and len(given) == 1 and isinstance(given[0], (list, tuple)):
+        given = tuple(given[0])
+    return user if given == args else None
+
+
+def _only_user_flattening_first_two(node: torch.fx.Node) -> torch.fx.Node | None:
+    """node's single user if it is a flatten of dims 0 and 1 of a 3-d tensor, however spelled."""
+    if len(node.users) != 1:
+        return None
+    user = next(iter(node.users))
+    if user.op != "call_method" or user.target != "flatten" or user.args[:1] != (node,):
+        return None
+    if len(user.args) > 3 or user.kwargs.keys() - {"start_dim", "end_dim"}:
+        return None
+    start = user.args[1] if len(user.args) > 1 else user.kwargs.get("start_dim", 0)
+    end = user.args[2] if len(user.args) > 2 else user.kwargs.get("end_dim", -1)
+    return user if start in (0, -3) and end in (1, -2) else None
+
+
+def _fuse_resize_into_rows(graph: torch.fx.Graph) -> int:
+    """A position grid resized and made into rows, ``resize(x).squeeze(0).permute(1, 2, 0).flatten(0, 1)``
+    (MoonViT's and Kimi-K2.5's form), becomes one ``bicubic_resize_rows_on_host`` call: on CUDA its
+    kernel writes the rows, where the chain made a copy after the resize. The intermediate tensors
+    have no other users, so only the final rows are observable, and they are the same."""
+    from kimi_cg.ops import resize
+
+    fused = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not resize.bicubic_resize_on_host:
+            continue
+        squeezed = _only_user(node, "squeeze", 0)
+        permuted = squeezed and _only_user(squeezed, "permute", 1, 2, 0)
+        rows = permuted and _only_user_flattening_first_two(permuted)
+        if rows is None:
+            continue
+        with graph.inserting_before(node):
+            fused_node = graph.call_function(resize.bicubic_resize_rows_on_host, node.args, node.kwargs)
+        fused_node.meta = dict(rows.meta)
+        rows.replace_all_uses_with(fused_node)
+        for dead in (rows, permuted, squeezed, node):
+            graph.erase_node(dead)
+        fused += 1
+    return fused
 
 
 def check_scalar(condition, message: str) -> None:

@@ -546,6 +546,16 @@ def test_resize_kernel_low_precision_rounds_once(dtype):
         torch.testing.assert_close(got.float(), exact, rtol=ulp, atol=1e-4)
 
 
+def test_resize_kernel_rows_are_the_resized_grid_made_into_rows():
+    x = _resize_inputs(1, 130, 64, 64, 3, dtype=torch.bfloat16, hwc=True)
+    for size in [(1, 1), (23, 9)]:
+        rows = resize_kernel.bicubic_resize_rows(x, *size)
+        assert rows.shape == (size[0] * size[1], 130) and rows.is_contiguous()
+        assert torch.equal(rows, resize_kernel.bicubic_resize(x, *size).squeeze(0).permute(1, 2, 0).flatten(0, 1))
+    with pytest.raises(ValueError, match="one image"):
+        resize_kernel.bicubic_resize_rows(torch.randn(2, 3, 8, 8, device=DEVICE), 4, 4)
+
+
 def test_resize_kernel_bad_inputs_raise():
     with pytest.raises(ValueError, match="expects \\[N, C, H, W\\]"):
         resize_kernel.bicubic_resize(torch.randn(3, 8, 8, device=DEVICE), 4, 4)
@@ -559,7 +569,7 @@ def test_resize_kernel_bad_inputs_raise():
     os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU tensors needs TRITON_INTERPRET=1"
 )
 def test_resize_op_runs_the_kernel_when_asked(monkeypatch):
-    from kimi_cg.ops.resize import bicubic_resize_on_host
+    from kimi_cg.ops.resize import bicubic_resize_on_host, bicubic_resize_rows_on_host
 
     calls = []
     kernel = resize_kernel.bicubic_resize
@@ -572,3 +582,9 @@ def test_resize_op_runs_the_kernel_when_asked(monkeypatch):
     for got in (torch.ops.kimi_cg.bicubic_resize(x, 21, 37), bicubic_resize_on_host(x, 21, 37)):
         torch.testing.assert_close(got, matrices, rtol=1e-5, atol=5e-5)
     assert len(calls) == 2
+    rows_calls = []
+    rows_kernel = resize_kernel.bicubic_resize_rows
+    monkeypatch.setattr(resize_kernel, "bicubic_resize_rows", lambda *a: rows_calls.append(a) or rows_kernel(*a))
+    rows = bicubic_resize_rows_on_host(x, 21, 37)
+    assert len(rows_calls) == 1
+    torch.testing.assert_close(rows, matrices.squeeze(0).permute(1, 2, 0).flatten(0, 1), rtol=1e-5, atol=5e-5)

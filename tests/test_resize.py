@@ -112,7 +112,7 @@ def test_host_programs_call_the_resize_function_not_the_op():
     """NOTE [host calls skip the dispatcher]: the host program (and its per-item values) call the plain
     function; the op's dispatch cost 0.3 ms per new image size on the H200's host. Same values."""
     from kimi_cg.host_program import ItemValue
-    from kimi_cg.ops.resize import bicubic_resize_on_host
+    from kimi_cg.ops.resize import bicubic_resize_on_host, bicubic_resize_rows_on_host
     from kimi_cg.runtime.runner import live_runners
 
     x = torch.randn(1, 5, 7, 9, generator=torch.Generator().manual_seed(0))
@@ -131,4 +131,55 @@ def test_host_programs_call_the_resize_function_not_the_op():
     modules = [module for host in hosts for module in host.gm.modules()]
     graphs = [host.gm.graph for host in hosts] + [m.gm.graph for m in modules if isinstance(m, ItemValue)]
     targets = [node.target for graph in graphs for node in graph.nodes if node.op == "call_function"]
-    assert bicubic_resize_on_host in targets and torch.ops.kimi_cg.bicubic_resize.default not in targets
+    # MoonViT makes rows of the resized grid (squeeze, permute, flatten): fused into one call.
+    assert bicubic_resize_rows_on_host in targets and torch.ops.kimi_cg.bicubic_resize.default not in targets
+    assert bicubic_resize_on_host not in targets
+
+
+class _RowsChain(torch.nn.Module):
+    """The resized grid made into rows, with variants the fusion must leave alone."""
+
+    def __init__(self, variant: str):
+        super().__init__()
+        self.variant = variant
+
+    def forward(self, table, h: int, w: int):
+        resized = torch.ops.kimi_cg.bicubic_resize.default(table.permute(2, 0, 1).unsqueeze(0), h, w)
+        squeezed = resized.squeeze(0)
+        if self.variant == "other_permute":
+            return squeezed.permute(2, 1, 0).flatten(0, 1)
+        if self.variant == "other_flatten":
+            return squeezed.permute(1, 2, 0).flatten(1, 2)
+        rows = squeezed.permute([1, 2, 0]).flatten(end_dim=-2) if self.variant == "spelled" else \
+            squeezed.permute(1, 2, 0).flatten(0, 1)
+        if self.variant == "shared":
+            return rows, resized.sum()
+        return rows
+
+
+@pytest.mark.parametrize("variant, fused", [("plain", 1), ("spelled", 1), ("shared", 0), ("other_permute", 0),
+                                            ("other_flatten", 0)])
+def test_host_fusion_of_resize_into_rows_takes_only_the_exact_chain(variant, fused):
+    from kimi_cg.host_program import call_host_functions
+    from kimi_cg.ops.resize import bicubic_resize_rows_on_host
+
+    module = _RowsChain(variant)
+    gm = torch.fx.symbolic_trace(module, concrete_args={"h": 5, "w": 3})
+    table = torch.randn(7, 9, 6, generator=torch.Generator().manual_seed(0))
+    want = module(table, 5, 3)
+    call_host_functions(gm)
+    targets = [node.target for node in gm.graph.nodes]
+    assert targets.count(bicubic_resize_rows_on_host) == fused
+    got = gm(table, 5, 3)
+    for a, b in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+        assert torch.equal(a, b)
+
+
+def test_resize_rows_on_host_is_the_chain_it_replaces():
+    from kimi_cg.ops.resize import bicubic_resize_on_host, bicubic_resize_rows_on_host
+
+    x = torch.randn(1, 6, 7, 9, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(bicubic_resize_rows_on_host(x, 5, 3), bicubic_resize_on_host(x, 5, 3).squeeze(0).permute(1, 2, 0).flatten(0, 1))
+    # Two images: squeeze(0) keeps four dims and permute(1, 2, 0) fails, as in the unfused chain.
+    with pytest.raises(RuntimeError, match="permute"):
+        bicubic_resize_rows_on_host(torch.randn(2, 6, 7, 9), 5, 3)

@@ -103,3 +103,14 @@ def bicubic_resize_on_host(x: torch.Tensor, height: int, width: int) -> torch.Te
 @bicubic_resize.register_fake
 def _(x, height, width):
     return x.new_empty((x.shape[0], x.shape[1], height, width))
+
+
+def bicubic_resize_rows_on_host(x: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """``bicubic_resize_on_host(x, h, w).squeeze(0).permute(1, 2, 0).flatten(0, 1)``: the [h * w, C]
+    rows towers make of a resized position grid. On CUDA the kernel writes the rows directly (no
+    copy after it); anywhere else, or for N != 1, it is that expression itself (same errors)."""
+    if use_triton(x) and x.dim() == 4 and x.shape[0] == 1:
+        from kimi_cg.kernels.resize import bicubic_resize_rows
+
+        return bicubic_resize_rows(x, height, width)
+    return bicubic_resize_on_host(x, height, width).squeeze(0).permute(1, 2, 0).flatten(0, 1)
