@@ -21,6 +21,13 @@ issue its work (what delays the replay's launch), "call_cpu" the time until the 
 "state_tokens" (the module-state check) and "graph_launch" are timed too; "misses" counts per-item
 metadata misses per request. --warm-up-stream warms with bench.py's W4 warm-up requests instead of
 ``kimi_cg.warm_up`` (the W4 benchmark's start).
+
+    python scripts/host_phases.py --cpu-time --warm-up-stream --compare-resize --out resize_ab.json
+
+--compare-resize instead runs six fresh 30-request streams (new image sizes) in one process,
+alternating the position-grid resize of host programs between the CUDA kernel
+(kimi_cg/kernels/resize.py) and the two-matrix form it replaced (kimi_cg/ops/resize.py's CPU path,
+switched on here by patching the module): the host CPU time a new size costs, either way.
 """
 
 from __future__ import annotations
@@ -97,12 +104,34 @@ def measure(system, requests) -> dict:
     return {name: {"mean_ms": statistics.fmean(v), "p50_ms": statistics.median(v)} for name, v in per_request.items()}
 
 
+def compare_resize(compiled, rounds: int = 6, requests: int = 30) -> dict:
+    """Fresh streams alternating the resize kernel ("kernel") and the two-matrix form ("matrices")."""
+    import kimi_cg.ops.resize as resize
+
+    kernel_rule = resize.use_triton
+    instrument()
+    rows = collections.defaultdict(list)
+    try:
+        for index in range(rounds):
+            label = "kernel" if index % 2 == 0 else "matrices"
+            resize.use_triton = kernel_rule if label == "kernel" else (lambda x: False)
+            stream = [bench.make_inputs(grid, 100 * index + i) for i, grid in enumerate(bench.request_stream(20 + index, requests))]
+            row = {k: round(v["mean_ms"], 3) for k, v in measure(compiled, stream).items()}
+            rows[label].append(row)
+            print(label, json.dumps(row), flush=True)
+    finally:
+        resize.use_triton = kernel_rule
+    return dict(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=40)
     parser.add_argument("--out", default=None)
     parser.add_argument("--cpu-time", action="store_true", help="no synchronisation inside a call (see above)")
     parser.add_argument("--warm-up-stream", action="store_true", help="warm with bench.py's W4 warm-up requests")
+    parser.add_argument("--compare-resize", action="store_true",
+                        help="alternate the resize kernel and the two-matrix form on fresh streams (see above)")
     parser.add_argument("--smoke-test-on-cpu", action="store_true",
                         help="tiny config on the CPU (bucket path without capture), to check this script")
     args = parser.parse_args()
@@ -128,6 +157,13 @@ def main() -> None:
     else:
         report["warm_up"] = kimi_cg.warm_up(compiled, *bench.make_inputs([[16, 16]], 0), max_items=8)
     print("warm_up", json.dumps(report["warm_up"]), flush=True)
+    if args.compare_resize:
+        report["compare_resize"] = compare_resize(compiled)
+        report["counters"] = dict(kimi_cg.counters)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=2)
+        return
     stream = [bench.make_inputs(grid, 100 + i) for i, grid in enumerate(bench.request_stream(4, args.requests))]
     other = [bench.make_inputs(grid, 900 + i) for i, grid in enumerate(bench.request_stream(9, args.requests))]
     instrument()
