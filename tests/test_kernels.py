@@ -588,3 +588,34 @@ def test_resize_op_runs_the_kernel_when_asked(monkeypatch):
     rows = bicubic_resize_rows_on_host(x, 21, 37)
     assert len(rows_calls) == 1
     torch.testing.assert_close(rows, matrices.squeeze(0).permute(1, 2, 0).flatten(0, 1), rtol=1e-5, atol=5e-5)
+
+
+@pytest.mark.skipif(
+    DEVICE != "cuda" and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the kernel on CPU tensors needs TRITON_INTERPRET=1",
+)
+def test_compiled_tower_resizes_new_sizes_with_the_kernel(monkeypatch):
+    """A compiled MoonViT's host program resizes each new image size with the rows kernel (on CUDA, or
+    through the interpreter here) and still equals eager."""
+    import kimi_cg
+    from kimi_cg.models import MoonVitConfig, MoonVitPretrainedModel
+    from kimi_cg.testing.targets import pixel_inputs
+
+    calls = []
+    rows_kernel = resize_kernel.bicubic_resize_rows
+    monkeypatch.setattr(resize_kernel, "bicubic_resize_rows", lambda *a: calls.append(a[1:]) or rows_kernel(*a))
+    if DEVICE == "cpu":
+        monkeypatch.setenv("KIMI_CG_TRITON_ON_CPU", "1")
+    kimi_cg.reset()
+    torch.manual_seed(0)
+    model = MoonVitPretrainedModel(MoonVitConfig.tiny(num_hidden_layers=1)).to(DEVICE).eval()
+    compiled = torch.compile(model, backend="kimi_cg")
+    make_inputs = pixel_inputs(DEVICE, torch.float32)
+    with torch.no_grad():
+        for grid in ([[4, 6]], [[6, 10], [2, 4]], [[10, 6], [8, 8]]):
+            inputs = make_inputs(grid)
+            for got, want in zip(compiled(*inputs), model(*inputs)):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # (8, 8) is the table's own size; every other size is resized by the kernel once (cached after).
+    assert {(6, 10), (2, 4), (10, 6)} <= set(calls) and (4, 6) in calls
+    assert kimi_cg.counters["call_fallbacks"] == 0
