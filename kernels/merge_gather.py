@@ -28,6 +28,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kimi_cg.kernels import on_device_of
+
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # The plain gather loops over D in chunks of at most this many columns: wide enough to keep the
@@ -204,21 +206,22 @@ def merge_gather(
     if n_terms == 0:
         return out.zero_()
     block_size = min(triton.next_power_of_2(hidden), _MAX_GATHER_BLOCK_SIZE)
-    _merge_gather_kernel[(n_rows,)](
-        x,
-        x.stride(0),
-        index,
-        index.stride(0),
-        weight,
-        weight.stride(0),
-        out,
-        out.stride(0),
-        x.shape[0],
-        hidden,
-        K=n_terms,
-        BLOCK_SIZE=block_size,
-        num_warps=_num_warps(block_size),
-    )
+    with on_device_of(x):
+        _merge_gather_kernel[(n_rows,)](
+            x,
+            x.stride(0),
+            index,
+            index.stride(0),
+            weight,
+            weight.stride(0),
+            out,
+            out.stride(0),
+            x.shape[0],
+            hidden,
+            K=n_terms,
+            BLOCK_SIZE=block_size,
+            num_warps=_num_warps(block_size),
+        )
     return out
 
 
@@ -244,24 +247,25 @@ def merge_gather_layernorm(
         return out
     # The whole row must fit one block: LayerNorm needs the full row's statistics.
     block_size = triton.next_power_of_2(hidden)
-    _merge_gather_layernorm_kernel[(n_rows,)](
-        x,
-        x.stride(0),
-        index,
-        index.stride(0),
-        weight,
-        weight.stride(0),
-        ln_weight,
-        ln_bias,
-        out,
-        out.stride(0),
-        x.shape[0],
-        hidden,
-        float(eps),
-        K=n_terms,
-        BLOCK_SIZE=block_size,
-        num_warps=_num_warps(block_size),
-    )
+    with on_device_of(x):
+        _merge_gather_layernorm_kernel[(n_rows,)](
+            x,
+            x.stride(0),
+            index,
+            index.stride(0),
+            weight,
+            weight.stride(0),
+            ln_weight,
+            ln_bias,
+            out,
+            out.stride(0),
+            x.shape[0],
+            hidden,
+            float(eps),
+            K=n_terms,
+            BLOCK_SIZE=block_size,
+            num_warps=_num_warps(block_size),
+        )
     return out
 
 

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kimi_cg.kernels import on_device_of
+
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BLOCK_PIXELS = 16
 _BLOCK_CHANNELS = 128
@@ -146,11 +148,12 @@ def _launch(x: torch.Tensor, out: torch.Tensor, height: int, width: int, out_str
     if out.numel() == 0:
         return
     grid = (triton.cdiv(height * width, _BLOCK_PIXELS), triton.cdiv(channels, _BLOCK_CHANNELS), n)
-    _bicubic_resize_kernel[grid](
-        x, out, *x.stride(), in_h, in_w, height, width,
-        _float32_scale(in_h, height), _float32_scale(in_w, width), channels, *out_strides,
-        BLOCK_PIXELS=_BLOCK_PIXELS, BLOCK_CHANNELS=_BLOCK_CHANNELS, num_warps=4,
-    )
+    with on_device_of(x):
+        _bicubic_resize_kernel[grid](
+            x, out, *x.stride(), in_h, in_w, height, width,
+            _float32_scale(in_h, height), _float32_scale(in_w, width), channels, *out_strides,
+            BLOCK_PIXELS=_BLOCK_PIXELS, BLOCK_CHANNELS=_BLOCK_CHANNELS, num_warps=4,
+        )
 
 
 def bicubic_resize(x: torch.Tensor, height: int, width: int) -> torch.Tensor:

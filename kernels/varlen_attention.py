@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kimi_cg.kernels import on_device_of
+
 WORK_ENTRY = 4  # q_start, q_end, k_start, k_end
 BLOCK_M = 64
 BLOCK_N = 64
@@ -292,20 +294,21 @@ def work_list_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, work:
     block_d = max(16, triton.next_power_of_2(head_dim))
     d_main, d_tail = head_dim_split(head_dim, min_tail) if split_scores else (block_d, 0)
     grid = (work.shape[0], q.shape[1])
-    _work_list_attention_kernel[grid](
-        q, k, v, out, work,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        scale * math.log2(math.e),
-        HEAD_DIM=head_dim,
-        D_MAIN=d_main,
-        D_TAIL=d_tail,
-        BLOCK_D=block_d,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        INPUT_PRECISION="ieee" if q.dtype == torch.float32 or _INTERPRETED else "tf32",
-        UPCAST=_INTERPRETED and q.dtype != torch.float32,
-        INTERPRETED=_INTERPRETED,
-        **{name: value for name, value in (("num_warps", num_warps), ("num_stages", num_stages)) if value is not None},
-    )
+    with on_device_of(q):
+        _work_list_attention_kernel[grid](
+            q, k, v, out, work,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+            scale * math.log2(math.e),
+            HEAD_DIM=head_dim,
+            D_MAIN=d_main,
+            D_TAIL=d_tail,
+            BLOCK_D=block_d,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            INPUT_PRECISION="ieee" if q.dtype == torch.float32 or _INTERPRETED else "tf32",
+            UPCAST=_INTERPRETED and q.dtype != torch.float32,
+            INTERPRETED=_INTERPRETED,
+            **{name: value for name, value in (("num_warps", num_warps), ("num_stages", num_stages)) if value is not None},
+        )
     return out

@@ -619,3 +619,40 @@ def test_compiled_tower_resizes_new_sizes_with_the_kernel(monkeypatch):
     # (8, 8) is the table's own size; every other size is resized by the kernel once (cached after).
     assert {(6, 10), (2, 4), (10, 6)} <= set(calls) and (4, 6) in calls
     assert kimi_cg.counters["call_fallbacks"] == 0
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_kernels_run_on_their_tensors_device_not_the_current_one():
+    """Triton launches on the current device: each wrapper makes its tensors' device current. Tensors
+    on cuda:1 with cuda:0 current give what the same call gives on cuda:0, bit for bit."""
+    from kimi_cg.kernels.varlen_attention import plan_work_list, work_list_attention
+
+    table = _resize_inputs(1, 1152, 64, 64, 4, dtype=torch.bfloat16, hwc=True)
+    x, index, weight, ln_weight, ln_bias = (t.cuda(0) for t in _cpu_inputs(torch.bfloat16))
+    generator = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(200, 2, 72, generator=generator).to("cuda:0", torch.bfloat16) for _ in range(3))
+    work = plan_work_list([0, 70, 200]).to("cuda:0")
+
+    def run(device):
+        moved = lambda t: t.to(device)  # noqa: E731
+        with torch.cuda.device(0):
+            results = [resize_kernel.bicubic_resize_rows(moved(table), 33, 47),
+                       resize_kernel.bicubic_resize(moved(table), 9, 70),
+                       merge_gather(moved(x), moved(index), moved(weight)),
+                       merge_gather_layernorm(moved(x), moved(index), moved(weight), moved(ln_weight), moved(ln_bias),
+                                              LAYERNORM_EPS),
+                       work_list_attention(moved(q), moved(k), moved(v), moved(work))]
+        torch.cuda.synchronize(device)
+        return [r.cpu() for r in results]
+
+    for on_zero, on_one in zip(run("cuda:0"), run("cuda:1")):
+        assert torch.equal(on_zero, on_one)
+
+
+def test_launch_context_is_a_no_op_on_cpu_tensors():
+    # Without CUDA (CI), asking for the current CUDA device would raise: CPU tensors never ask.
+    import contextlib
+
+    from kimi_cg.kernels import on_device_of
+
+    assert isinstance(on_device_of(torch.ones(2)), contextlib.nullcontext)
