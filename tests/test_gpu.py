@@ -118,6 +118,25 @@ def test_repeated_single_images_replay_exact_size_graphs_bf16():
     assert counters.get("exact_size_graph_failures", 0) == 0, counters
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_tower_on_a_device_that_is_not_current_replays_its_own_graphs_bf16():
+    """NOTE [the activations' device is current]: a tiny MoonViT on cuda:1, called with cuda:0 current,
+    captures and replays its buckets on cuda:1 (NaN-poisoned pool) within the bf16 rule."""
+    torch.manual_seed(0)
+    reference = MoonVitPretrainedModel(MoonVitConfig.tiny()).to("cuda:1").eval()  # fp32
+    model = copy.deepcopy(reference).to(torch.bfloat16)
+    compiled = torch.compile(model, backend="kimi_cg", options={"poison_graph_pool": True,
+                                                                "token_budgets": [512, 1024, 2048]})
+    grids = [[[4, 6]], [[6, 10], [2, 4]], [[10, 6], [8, 8]], [[12, 12]], [[6, 10], [2, 4]], [[16, 14], [4, 4]]]
+    with torch.cuda.device(0):
+        report = kimi_cg.testing.assert_matches_eager(model, compiled, pixel_inputs("cuda:1", torch.bfloat16), grids,
+                                                      reference=reference, no_fallbacks=True)
+    counters = dict(kimi_cg.counters)
+    _record("moonvit-tiny-on-cuda1", report, counters)
+    assert counters.get("captures", 0) >= 1 and counters.get("graph_replays", 0) >= 3, counters
+    assert torch.cuda.memory_allocated(0) < torch.cuda.memory_allocated(1), "graphs or buffers landed on cuda:0"
+
+
 def test_exact_size_graphs_made_and_dropped_do_not_grow_memory():
     """Each capture ran its warm-up on a new stream, and cuBLAS keeps a workspace per stream for the
     life of the process: exact-size graphs made and dropped (the LRU of ``exact_size_graphs``) grew

@@ -156,6 +156,19 @@ class LiftedRunner:
             return None
 
     def _run_lifted(self, args, record=None):
+        # NOTE [the activations' device is current]: captures, side streams, graph pools, memory
+        # accounting and Triton launches all use the current CUDA device, while ATen ops follow their
+        # tensors. A tower on cuda:1 called with cuda:0 current would capture on one device what runs
+        # on the other; so a call runs with its activations' device current (ATen's own rule).
+        if self.activation_index is not None:
+            activations = args[self.activation_index]
+            if (isinstance(activations, torch.Tensor) and activations.is_cuda
+                    and activations.device.index != torch.cuda.current_device()):
+                with torch.cuda.device(activations.device):
+                    return self._run_lifted_here(args, record)
+        return self._run_lifted_here(args, record)
+
+    def _run_lifted_here(self, args, record=None):
         results = {}
         results["host"] = host = self.host(*(self._resolve(ref, args, results) for ref in self.host_refs))
         if record is not None:
