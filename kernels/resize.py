@@ -80,9 +80,7 @@ def _bicubic_resize_kernel(
     scale_h,
     scale_w,
     n_channels,
-    out_stride_n,
-    out_stride_c,
-    out_stride_pixel,
+    ROWS: tl.constexpr,
     BLOCK_PIXELS: tl.constexpr,
     BLOCK_CHANNELS: tl.constexpr,
 ):
@@ -115,9 +113,12 @@ def _bicubic_resize_kernel(
               wx0, wx1, wx2, wx3, mask)
     value = r0 * wy0[:, None] + r1 * wy1[:, None] + r2 * wy2[:, None] + r3 * wy3[:, None]
 
-    # Pixel p = i * w + j; [N, C, h, w] has out_stride_pixel 1, rows [h * w, C] have out_stride_c 1.
-    out_offsets = (n * out_stride_n + channels[None, :].to(tl.int64) * out_stride_c
-                   + pixels[:, None].to(tl.int64) * out_stride_pixel)
+    # Pixel p = i * w + j. ROWS: out is [h * w, C] (N = 1), else [N, C, h, w]; both contiguous. The
+    # layout is a constexpr, not strides passed in: [N, C, h, w]'s strides change with every size.
+    if ROWS:
+        out_offsets = pixels[:, None].to(tl.int64) * n_channels + channels[None, :]
+    else:
+        out_offsets = (n * n_channels + channels[None, :].to(tl.int64)) * n_pixels + pixels[:, None]
     tl.store(out_ptr + out_offsets, value.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -143,7 +144,7 @@ def _check(x: torch.Tensor, height: int, width: int) -> None:
         raise ValueError(f"bicubic resize needs positive sizes, got {tuple(x.shape[2:])} -> {(height, width)}")
 
 
-def _launch(x: torch.Tensor, out: torch.Tensor, height: int, width: int, out_strides: tuple[int, int, int]) -> None:
+def _launch(x: torch.Tensor, out: torch.Tensor, height: int, width: int, rows: bool) -> None:
     n, channels, in_h, in_w = x.shape
     if out.numel() == 0:
         return
@@ -151,8 +152,8 @@ def _launch(x: torch.Tensor, out: torch.Tensor, height: int, width: int, out_str
     with on_device_of(x):
         _bicubic_resize_kernel[grid](
             x, out, *x.stride(), in_h, in_w, height, width,
-            _float32_scale(in_h, height), _float32_scale(in_w, width), channels, *out_strides,
-            BLOCK_PIXELS=_BLOCK_PIXELS, BLOCK_CHANNELS=_BLOCK_CHANNELS, num_warps=4,
+            _float32_scale(in_h, height), _float32_scale(in_w, width), channels,
+            ROWS=rows, BLOCK_PIXELS=_BLOCK_PIXELS, BLOCK_CHANNELS=_BLOCK_CHANNELS, num_warps=4,
         )
 
 
@@ -161,7 +162,7 @@ def bicubic_resize(x: torch.Tensor, height: int, width: int) -> torch.Tensor:
     _check(x, height, width)
     n, channels = x.shape[:2]
     out = torch.empty((n, channels, height, width), dtype=x.dtype, device=x.device)
-    _launch(x, out, height, width, (channels * height * width, height * width, 1))
+    _launch(x, out, height, width, rows=False)
     return out
 
 
@@ -173,5 +174,5 @@ def bicubic_resize_rows(x: torch.Tensor, height: int, width: int) -> torch.Tenso
         raise ValueError(f"bicubic_resize_rows expects one image [1, C, H, W], got shape {tuple(x.shape)}")
     channels = x.shape[1]
     out = torch.empty((height * width, channels), dtype=x.dtype, device=x.device)
-    _launch(x, out, height, width, (0, 1, channels))
+    _launch(x, out, height, width, rows=True)
     return out
