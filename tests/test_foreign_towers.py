@@ -97,6 +97,12 @@ GRIDS = {
         [[1, 4, 4], [1, 6, 2]],
         [[1, 2, 4], [1, 10, 4]],
     ],
+    # PaddleOCR-VL: images, one [1, h, w] row each; sizes above 8 resample its 8 x 8 grid upwards.
+    "paddleocr_vl": [
+        [[1, 4, 6]],
+        [[1, 4, 4], [1, 6, 2]],
+        [[1, 2, 4], [1, 12, 10]],
+    ],
     # [h, w] rows (Kimi-VL has images only).
     "upstream_moonvit": [
         [[4, 6]],
@@ -109,7 +115,7 @@ GRIDS = {
 # a ratchet, so a change that stops lifting one fails here. Kimi-VL's MoonViT with the flash stand-in
 # needs its op registered (test_a_registered_flash_op_takes_max_seqlen_as_an_upper_bound).
 NO_LIFT_FALLBACK = {f"{name}-{attn}" for name in ("kimi_k25", "qwen2_vl", "qwen2_5_vl", "glm4v", "qwen3_vl", "upstream_moonvit")
-                    for attn in ("sdpa", "eager")}
+                    for attn in ("sdpa", "eager")} | {"paddleocr_vl-sdpa"}
 
 CASES = [
     pytest.param(TRANSFORMERS_FACTORIES[name], name, attn, id=f"{name}-{attn}")
@@ -118,6 +124,9 @@ CASES = [
 ] + [
     # Qwen3-VL's eager attention is Qwen2-VL's split + loop path: sdpa only, to keep CI short.
     pytest.param(TRANSFORMERS_FACTORIES["qwen3_vl"], "qwen3_vl", "sdpa", id="qwen3_vl-sdpa"),
+    # PaddleOCR-VL on sdpa (its flash branch, NOTE [flash path]); its eager attention path is not lifted yet:
+    # dynamo cannot guard a data-dependent size there and the frame runs eagerly (correct).
+    pytest.param(TRANSFORMERS_FACTORIES["paddleocr_vl"], "paddleocr_vl", "sdpa", id="paddleocr_vl-sdpa"),
 ] + [
     pytest.param(build_upstream_moonvit, "upstream_moonvit", attn, id=f"upstream_moonvit-{attn}")
     for attn in ("eager", "sdpa", "flash_attention_2")
@@ -182,6 +191,10 @@ def test_compiled_tower_matches_eager(factory, tower_name, attn_implementation):
 BUCKET_OPTIONS = {"cuda_graphs": True, "token_budgets": [32, 64, 128, 256]}
 REPLAYS_EVERY_CALL = {"kimi_k25", "qwen2_vl", "qwen2_5_vl", "glm4v", "qwen3_vl", "qwen3_5", "glm_ocr", "ernie4_5_vl",
                       "video_llama_3"}
+# PaddleOCR-VL's device program takes its patches as [1, L, 3, p, p] (rows on dim 1, an "unpadded" input):
+# the padding rules place rows on dim 0 only, so its calls run the plain device program (correct, lifted,
+# not replayed). Checked below so that lifting it into buckets later shows up here.
+UNPADDED_ROWS_ON_DIM_1 = {"paddleocr_vl"}
 # Device-program calls (replays or plain runs) per tower call once traced: the pieces around graph
 # breaks, not one per layer. Kimi-K2.5 breaks at `int(t > 1)`; Qwen2-VL and GLM-4V are one piece, the
 # whole forward on its flash branch (NOTE [flash path] in kimi_cg/attention_substitutes.py).
@@ -190,7 +203,8 @@ REPLAYS_EVERY_CALL = {"kimi_k25", "qwen2_vl", "qwen2_5_vl", "glm4v", "qwen3_vl",
 # size, no static bucket buffer) and a seq_len argument: those calls run the plain device program. Once
 # the forward is traced, every call replays.
 FALLBACKS_WHILE_TRACING = {"qwen2_5_vl"}
-DEVICE_CALLS_PER_CALL = {"kimi_k25": 2, "qwen2_vl": 1, "qwen2_5_vl": 1, "glm4v": 1, "qwen3_vl": 1, "qwen3_5": 1, "glm_ocr": 1}
+DEVICE_CALLS_PER_CALL = {"kimi_k25": 2, "qwen2_vl": 1, "qwen2_5_vl": 1, "glm4v": 1, "qwen3_vl": 1, "qwen3_5": 1, "glm_ocr": 1,
+                         "paddleocr_vl": 1}
 # Device programs per piece (a frame dynamo traces, read from the debug dump): the static first trace and
 # the dynamic one. Qwen2.5-VL's nested permute_input_for_window_attn, traced on its own while the forward
 # runs eagerly, is called with the hidden states and the rotary table: static, dynamic rows, dynamic
@@ -203,7 +217,7 @@ PROGRAMS_PER_PIECE = {("qwen2_5_vl", "permute_input_for_window_attn"): 3, ("qwen
 
 
 @pytest.mark.parametrize("tower_name", ["kimi_k25", "qwen2_vl", "qwen2_5_vl", "glm4v", "qwen3_vl", "qwen3_5", "glm_ocr",
-                                        "hunyuan_vl", "ernie4_5_vl", "video_llama_3",
+                                        "hunyuan_vl", "ernie4_5_vl", "video_llama_3", "paddleocr_vl",
                                         "upstream_moonvit"])
 def test_bucketed_path_matches_eager(tower_name, tmp_path):
     from kimi_cg.debug.dump import read_index
@@ -230,6 +244,8 @@ def test_bucketed_path_matches_eager(tower_name, tmp_path):
     if tower_name in REPLAYS_EVERY_CALL:  # no call ran unpadded (the last one, or none at all)
         assert last_call["eager_fallbacks"] == 0, dict(kimi_cg.counters)
         assert tower_name in FALLBACKS_WHILE_TRACING or kimi_cg.counters["eager_fallbacks"] == 0, dict(kimi_cg.counters)
+    if tower_name in UNPADDED_ROWS_ON_DIM_1:
+        assert kimi_cg.counters["graph_replays"] == kimi_cg.counters["padded_runs"] == 0, dict(kimi_cg.counters)
     if tower_name in DEVICE_CALLS_PER_CALL:  # the last grid's call, traced by then
         assert 1 <= device_calls <= DEVICE_CALLS_PER_CALL[tower_name], (device_calls, dict(kimi_cg.counters))
     programs = device_programs_per_frame(read_index(str(tmp_path)))

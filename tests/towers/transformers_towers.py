@@ -248,6 +248,25 @@ def build_video_llama_3(attn_implementation: str = "sdpa", seed: int = 0) -> Tow
     return Tower(f"video_llama_3[{attn_implementation}]", model, make_inputs, tensors_of)
 
 
+def build_paddleocr_vl(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
+    """transformers' PaddleOCR-VL vision tower (SigLIP-style, NaViT packing): pixel_values [1, L, 3, p, p]
+    with one row per patch, images ([1, h, w] rows); the learned square grid is resampled bilinearly by a
+    host-made gather of four rows per patch; the 2 x 2 merge is in the projector, outside the tower."""
+    config_class, model_class = _load("paddleocr_vl", "PaddleOCRVisionConfig", "PaddleOCRVisionModel")
+    config = config_class(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
+                          num_attention_heads=HEADS, num_channels=3, image_size=8 * PATCH, patch_size=PATCH,
+                          spatial_merge_size=MERGE)
+    model = _build(model_class, config, attn_implementation, seed)
+
+    def make_inputs(grid: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        grid_thw = _grid_tensor(grid)
+        rows = int(grid_thw.prod(dim=-1).sum())
+        generator = torch.Generator().manual_seed(seed + rows)
+        return torch.randn(1, rows, 3, PATCH, PATCH, generator=generator), grid_thw
+
+    return Tower(f"paddleocr_vl[{attn_implementation}]", model, make_inputs, tensors_of)
+
+
 FACTORIES = {
     "kimi_k25": build_kimi_k25,
     "qwen2_vl": build_qwen2_vl,
@@ -259,4 +278,5 @@ FACTORIES = {
     "hunyuan_vl": build_hunyuan_vl,
     "ernie4_5_vl": build_ernie4_5_vl,
     "video_llama_3": build_video_llama_3,
+    "paddleocr_vl": build_paddleocr_vl,
 }
