@@ -582,6 +582,10 @@ def test_resize_op_runs_the_kernel_when_asked(monkeypatch):
     for got in (torch.ops.kimi_cg.bicubic_resize(x, 21, 37), bicubic_resize_on_host(x, 21, 37)):
         torch.testing.assert_close(got, matrices, rtol=1e-5, atol=5e-5)
     assert len(calls) == 2
+    # float64 is not a kernel dtype: the matrices take it, as before the kernel existed.
+    x64 = x.double()
+    torch.testing.assert_close(bicubic_resize_on_host(x64, 21, 37), matrices.double(), rtol=1e-5, atol=5e-5)
+    assert len(calls) == 2
     rows_calls = []
     rows_kernel = resize_kernel.bicubic_resize_rows
     monkeypatch.setattr(resize_kernel, "bicubic_resize_rows", lambda *a: rows_calls.append(a) or rows_kernel(*a))

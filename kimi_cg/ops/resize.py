@@ -84,10 +84,19 @@ def bicubic_resize(x: torch.Tensor, height: int, width: int) -> torch.Tensor:
     return bicubic_resize_on_host(x, height, width)
 
 
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _kernel_takes(x: torch.Tensor) -> bool:
+    """Whether the Triton kernel runs x (CUDA or asked for, in a dtype it reads); the matrices take the
+    rest (float64 included), as before the kernel existed."""
+    return x.dtype in _KERNEL_DTYPES and use_triton(x)
+
+
 def bicubic_resize_on_host(x: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """The op's computation as a plain function: host programs call this one (NOTE [host calls skip
     the dispatcher] in host_program.py); the op is what traced programs see."""
-    if use_triton(x):
+    if _kernel_takes(x):
         from kimi_cg.kernels.resize import bicubic_resize as bicubic_resize_triton
 
         return bicubic_resize_triton(x, height, width)
@@ -109,7 +118,7 @@ def bicubic_resize_rows_on_host(x: torch.Tensor, height: int, width: int) -> tor
     """``bicubic_resize_on_host(x, h, w).squeeze(0).permute(1, 2, 0).flatten(0, 1)``: the [h * w, C]
     rows towers make of a resized position grid. On CUDA the kernel writes the rows directly (no
     copy after it); anywhere else, or for N != 1, it is that expression itself (same errors)."""
-    if use_triton(x) and x.dim() == 4 and x.shape[0] == 1:
+    if _kernel_takes(x) and x.dim() == 4 and x.shape[0] == 1:
         from kimi_cg.kernels.resize import bicubic_resize_rows
 
         return bicubic_resize_rows(x, height, width)
