@@ -6,6 +6,9 @@ import contextlib
 
 import torch
 
+# The floating dtypes every kernel here reads and writes (accumulating in float32).
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 
 def on_device_of(tensor: torch.Tensor):
     """The context to launch a kernel in for ``tensor``: Triton launches on the current CUDA device

@@ -28,9 +28,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kimi_cg.kernels import on_device_of
+from kimi_cg.kernels import FLOAT_DTYPES, on_device_of
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # The plain gather loops over D in chunks of at most this many columns: wide enough to keep the
 # loads vectorised, small enough that D=1152 wastes only one partial chunk.
@@ -134,7 +133,7 @@ def _merge_gather_layernorm_kernel(
 def _check_merge_gather_inputs(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> None:
     if x.dim() != 2:
         raise ValueError(f"merge_gather expects x of shape [L, D]; got {tuple(x.shape)}")
-    if x.dtype not in _FLOAT_DTYPES:
+    if x.dtype not in FLOAT_DTYPES:
         raise ValueError(f"merge_gather expects x in float32, bfloat16 or float16; got {x.dtype}")
     if index.dim() != 2:
         raise ValueError(f"merge_gather expects index of shape [R, K]; got {tuple(index.shape)}")
@@ -160,7 +159,7 @@ def _check_layernorm_inputs(
     for name, tensor in (("ln_weight", ln_weight), ("ln_bias", ln_bias)):
         if tensor.shape != (hidden,):
             raise ValueError(f"merge_gather_layernorm expects {name} of shape [{hidden}]; got {tuple(tensor.shape)}")
-        if tensor.dtype not in _FLOAT_DTYPES:
+        if tensor.dtype not in FLOAT_DTYPES:
             raise ValueError(f"merge_gather_layernorm expects a floating {name}; got {tensor.dtype}")
         if tensor.device != x.device:
             raise ValueError(f"merge_gather_layernorm expects {name} on {x.device}; got {tensor.device}")

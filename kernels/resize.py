@@ -27,9 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kimi_cg.kernels import on_device_of
+from kimi_cg.kernels import FLOAT_DTYPES, on_device_of
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BLOCK_PIXELS = 16
 _BLOCK_CHANNELS = 128
 
@@ -138,7 +137,7 @@ def _float32_scale(in_size: int, out_size: int) -> float:
 def _check(x: torch.Tensor, height: int, width: int) -> None:
     if x.dim() != 4:
         raise ValueError(f"bicubic_resize expects [N, C, H, W], got shape {tuple(x.shape)}")
-    if x.dtype not in _FLOAT_DTYPES:
+    if x.dtype not in FLOAT_DTYPES:
         raise ValueError(f"bicubic_resize expects float32, bfloat16 or float16; got {x.dtype}")
     if height <= 0 or width <= 0 or x.shape[2] <= 0 or x.shape[3] <= 0:
         raise ValueError(f"bicubic resize needs positive sizes, got {tuple(x.shape[2:])} -> {(height, width)}")

@@ -34,12 +34,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kimi_cg.kernels import on_device_of
+from kimi_cg.kernels import FLOAT_DTYPES, on_device_of
 
 WORK_ENTRY = 4  # q_start, q_end, k_start, k_end
 BLOCK_M = 64
 BLOCK_N = 64
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read when @triton.jit below decides, too
 
 
@@ -279,8 +278,8 @@ def work_list_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, work:
     (False: one score product over the head dim padded to a power of two)."""
     if q.dim() != 3 or k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"q, k, v must share one shape [T, H, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if q.dtype not in _FLOAT_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k, v must share one float dtype of {_FLOAT_DTYPES}; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in FLOAT_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share one float dtype of {FLOAT_DTYPES}; got {q.dtype}, {k.dtype}, {v.dtype}")
     if work.dim() != 2 or work.shape[1] != WORK_ENTRY or work.dtype != torch.int32 or work.device != q.device:
         raise ValueError(f"work must be int32 [W, 4] on {q.device}; got {work.dtype} {tuple(work.shape)} on {work.device}")
     if any(t.stride(-1) != 1 for t in (q, k, v)):

@@ -240,31 +240,31 @@ def call_host_functions(gm: torch.fx.GraphModule) -> int:
     return changed
 
 
-def _only_user(node: torch.fx.Node, method: str, *args) -> torch.fx.Node | None:
-    """node's single user if it is ``node.<method>(*args)`` (permute's dims as a list too)."""
+def _only_method_user(node: torch.fx.Node, method: str) -> torch.fx.Node | None:
+    """node's single user if it is a ``node.<method>(...)`` call, else None."""
     if len(node.users) != 1:
         return None
     user = next(iter(node.users))
-    if user.op != "call_method" or user.target != method or user.args[:1] != (node,) or user.kwargs:
-        return None
+    return user if user.op == "call_method" and user.target == method and user.args[:1] == (node,) else None
+
+
+def _calls_with(user: torch.fx.Node | None, *args) -> bool:
+    """Whether a method call passes exactly ``args`` after self (permute's dims as a list too)."""
+    if user is None or user.kwargs:
+        return False
     given = tuple(user.args[1:])
-    if method == "permute" and len(given) == 1 and isinstance(given[0], (list, tuple)):
+    if len(given) == 1 and isinstance(given[0], (list, tuple)):
         given = tuple(given[0])
-    return user if given == args else None
+    return given == args
 
 
-def _only_user_flattening_first_two(node: torch.fx.Node) -> torch.fx.Node | None:
-    """node's single user if it is a flatten of dims 0 and 1 of a 3-d tensor, however spelled."""
-    if len(node.users) != 1:
-        return None
-    user = next(iter(node.users))
-    if user.op != "call_method" or user.target != "flatten" or user.args[:1] != (node,):
-        return None
-    if len(user.args) > 3 or user.kwargs.keys() - {"start_dim", "end_dim"}:
-        return None
+def _flattens_first_two(user: torch.fx.Node | None) -> bool:
+    """Whether a ``flatten`` call flattens dims 0 and 1 of a 3-d tensor, however spelled."""
+    if user is None or len(user.args) > 3 or user.kwargs.keys() - {"start_dim", "end_dim"}:
+        return False
     start = user.args[1] if len(user.args) > 1 else user.kwargs.get("start_dim", 0)
     end = user.args[2] if len(user.args) > 2 else user.kwargs.get("end_dim", -1)
-    return user if start in (0, -3) and end in (1, -2) else None
+    return start in (0, -3) and end in (1, -2)
 
 
 def _fuse_resize_into_rows(graph: torch.fx.Graph) -> int:
@@ -278,10 +278,10 @@ def _fuse_resize_into_rows(graph: torch.fx.Graph) -> int:
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not resize.bicubic_resize_on_host:
             continue
-        squeezed = _only_user(node, "squeeze", 0)
-        permuted = squeezed and _only_user(squeezed, "permute", 1, 2, 0)
-        rows = permuted and _only_user_flattening_first_two(permuted)
-        if rows is None:
+        squeezed = _only_method_user(node, "squeeze")
+        permuted = _only_method_user(squeezed, "permute") if _calls_with(squeezed, 0) else None
+        rows = _only_method_user(permuted, "flatten") if _calls_with(permuted, 1, 2, 0) else None
+        if not _flattens_first_two(rows):
             continue
         with graph.inserting_before(node):
             fused_node = graph.call_function(resize.bicubic_resize_rows_on_host, node.args, node.kwargs)

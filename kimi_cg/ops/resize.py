@@ -1,4 +1,4 @@
-"""Bicubic resize of position grids: ``torch.ops.kimi_cg.bicubic_resize`` (two small matrix products, or one kernel on CUDA).
+"""Bicubic resize of position grids: ``torch.ops.kimi_cg.bicubic_resize`` (two GEMMs, or a kernel on CUDA).
 
     x:        [N, C, H, W]  float32 / bfloat16 / float16
     returns   [N, C, h, w]  x.dtype, equal to ``F.interpolate(x, size=(h, w), mode="bicubic")``
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from kimi_cg.kernels import FLOAT_DTYPES
 from kimi_cg.ops.merge_gather import use_triton
 
 _CUBIC_A = -0.75
@@ -84,13 +85,10 @@ def bicubic_resize(x: torch.Tensor, height: int, width: int) -> torch.Tensor:
     return bicubic_resize_on_host(x, height, width)
 
 
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
 def _kernel_takes(x: torch.Tensor) -> bool:
     """Whether the Triton kernel runs x (CUDA or asked for, in a dtype it reads); the matrices take the
     rest (float64 included), as before the kernel existed."""
-    return x.dtype in _KERNEL_DTYPES and use_triton(x)
+    return x.dtype in FLOAT_DTYPES and use_triton(x)
 
 
 def bicubic_resize_on_host(x: torch.Tensor, height: int, width: int) -> torch.Tensor:
