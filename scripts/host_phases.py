@@ -159,17 +159,13 @@ def main() -> None:
     print("warm_up", json.dumps(report["warm_up"]), flush=True)
     if args.compare_resize:
         report["compare_resize"] = compare_resize(compiled)
-        report["counters"] = dict(kimi_cg.counters)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(report, f, indent=2)
-        return
-    stream = [bench.make_inputs(grid, 100 + i) for i, grid in enumerate(bench.request_stream(4, args.requests))]
-    other = [bench.make_inputs(grid, 900 + i) for i, grid in enumerate(bench.request_stream(9, args.requests))]
-    instrument()
-    for label, requests in (("first_pass", stream), ("second_pass_seen_sizes", stream), ("new_stream", other)):
-        report[label] = measure(compiled, requests)
-        print(label, json.dumps({k: round(v["mean_ms"], 3) for k, v in report[label].items()}), flush=True)
+    else:
+        stream = [bench.make_inputs(grid, 100 + i) for i, grid in enumerate(bench.request_stream(4, args.requests))]
+        other = [bench.make_inputs(grid, 900 + i) for i, grid in enumerate(bench.request_stream(9, args.requests))]
+        instrument()
+        for label, requests in (("first_pass", stream), ("second_pass_seen_sizes", stream), ("new_stream", other)):
+            report[label] = measure(compiled, requests)
+            print(label, json.dumps({k: round(v["mean_ms"], 3) for k, v in report[label].items()}), flush=True)
     report["counters"] = dict(kimi_cg.counters)
     if args.out:
         with open(args.out, "w") as f:
