@@ -204,9 +204,10 @@ def _grid_at_trace(inputs, example_inputs) -> list | None:
 
 
 def _activation_rows(inputs) -> list:
-    """The leading size of each activation input (a SymInt when dynamo made it dynamic)."""
+    """The row count of each activation input (a SymInt when dynamo made it dynamic): its size at its
+    row dim (NOTE [rows on dim 1] in kimi_cg/capture.py)."""
     values = [capture.example_value(item.node) for item in inputs if item.role is capture.InputRole.ACTIVATION]
-    return [value.shape[0] for value in values if isinstance(value, torch.Tensor) and value.dim() >= 1]
+    return [value.shape[capture.row_dim(value)] for value in values if isinstance(value, torch.Tensor) and value.dim() >= 1]
 
 
 def _has_dynamic_patch_count(inputs) -> bool:

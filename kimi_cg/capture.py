@@ -61,6 +61,24 @@ def example_value(node: torch.fx.Node):
     return node.meta.get("example_value", node.meta.get("val"))
 
 
+def row_dim(value) -> int:
+    """NOTE [rows on dim 1]
+    The dim of a traced activation that holds its packed rows. Most towers pack rows on dim 0
+    ([L, ...]); some keep a batch dim of one through every layer ([1, L, ...]: transformers'
+    PaddleOCR-VL patches, HunYuan-VL's layers). Dynamo traces such a batch dim as the literal 1 (it
+    guards it: a call with another batch gets another graph) and the rows as a symbol, so the rows
+    are the first symbolic dim when every dim before it is a literal 1; else dim 0 (also in dynamo's
+    static first trace, whose sizes are all literals: its one bucket is its call's exact size)."""
+    if not isinstance(value, torch.Tensor):
+        return 0
+    for dim, size in enumerate(value.shape):
+        if not isinstance(size, int):
+            return dim
+        if size != 1:
+            return 0
+    return 0
+
+
 def working_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A GraphModule over a copy of ``gm``'s graph (node metadata copied, attributes shared), for
     passes to rewrite while ``gm`` stays as dynamo captured it."""

@@ -6,11 +6,11 @@ structural hash (ops, targets, constant args, input kinds; node names ignored) a
 
 NOTE [hints of a symbolic run]
 A device program is run symbolically (fake tensors whose sizes are symbols) to derive its outputs'
-row counts, and Inductor compiles it the same way. Each symbol has a hint: its size at the call that
+shapes, and Inductor compiles it the same way. Each symbol has a hint: its size at the call that
 triggered the run. Where an op asks a question the symbols cannot answer, torch answers with the hint
 and records a guard. Broadcasting asks ``rows == 1`` (``guard_or_false`` in fake tensors' size
 inference): at a call with one merged row the answer is yes, and the sum takes the other operand's
-size, a literal 1. What the run derived (row expressions, Inductor's code) holds only where its guards
+size, a literal 1. What the run derived (shape expressions, Inductor's code) holds only where its guards
 and symbol replacements hold. So every run keeps them (``ShapeAssumptions``); a call whose sizes break
 one gets a run of its own, at its own sizes (``device_program_respecializations``). Found on Qwen2-VL's
 tower: its first symbolic call had one merged row, and every later call on the padded path returned
@@ -31,7 +31,7 @@ import sympy
 import torch
 import torch.fx
 
-from kimi_cg.capture import example_value
+from kimi_cg.capture import example_value, row_dim
 from kimi_cg.counters import counters, timings
 from kimi_cg.errors import UnsupportedGraphError
 
@@ -112,9 +112,9 @@ class DeviceProgram:
         self._compiled_by_shape: dict = {}
         self._compile_error: Exception | None = None  # a failed compile is not retried on every call
         self._compile_lock = threading.Lock()  # threads calling a new program compile it once
-        self._row_runs: list[SymbolicRows] = []  # NOTE [hints of a symbolic run]
+        self._shape_runs: list[SymbolicShapes] = []  # NOTE [hints of a symbolic run]
         self._size_positions: list[tuple[int, int | None]] | None = None
-        self.output_rows_by_shape: dict = {}
+        self.output_shapes_by_signature: dict = {}
         self.bucketed_graphs: dict = {}  # runtime.graphs.BucketedGraphs per (configuration, weights)
         self.configurations: dict = {}  # runtime configuration -> its small id (see backend._bucketed_graphs)
         self.dumps: list = []  # debug dumps (GraphDump) of graphs using this program: get its Inductor code
@@ -177,44 +177,51 @@ class DeviceProgram:
         raise ValueError(f"unknown device compiler {self.compiler!r}")
 
     def output_rows(self, inputs) -> list[int | None]:
-        """The leading size each output has for these (unpadded) inputs, from the program's symbolic
-        shapes: the CUDA-graph runtime slices a bucket's padded outputs back to these sizes."""
+        """The leading size each output has for these (unpadded) inputs (None: not a tensor of a dim
+        or more)."""
+        return [None if shape is None else shape[0] for shape in self.output_shapes(inputs)]
+
+    def output_shapes(self, inputs) -> list[tuple[int, ...] | None]:
+        """The shape each output has for these (unpadded) inputs, from the program's symbolic shapes:
+        the CUDA-graph runtime slices a bucket's padded outputs back to these (on every dim that holds
+        rows: NOTE [rows on dim 1] in kimi_cg/capture.py). None: not a tensor of a dim or more."""
         signature = self._signature(inputs)
-        rows = self.output_rows_by_shape.get(signature)
-        if rows is None:
-            run = next((r for r in self._row_runs if r.assumptions.hold(self._size_positions, signature)), None)
+        shapes = self.output_shapes_by_signature.get(signature)
+        if shapes is None:
+            run = next((r for r in self._shape_runs if r.assumptions.hold(self._size_positions, signature)), None)
             if run is None:  # NOTE [hints of a symbolic run]: a run at these sizes
-                if self._row_runs:
+                if self._shape_runs:
                     counters["device_program_respecializations"] += 1
                 try:
-                    run = _output_row_expressions(self.gm, inputs, self.host_inputs)
+                    run = _output_shape_expressions(self.gm, inputs, self.host_inputs)
                 except Exception as error:  # noqa: BLE001 - see below
                     # A graph with literal sizes (dynamo's static first trace) need not run with symbolic
                     # ones (on the H200, torch 2.11, Qwen2.5-VL's static block graph failed its literal
                     # reshape [3740, 3, 16, -1] on 3840*s rows when split parts asked for their rows; the
-                    # split itself was the cause, BucketedGraphs.split). The rows at this call's own sizes
+                    # split itself was the cause, BucketedGraphs.split). The shapes at this call's own sizes
                     # are all a call needs: a fake run at those sizes, kept for them only.
-                    logger.debug("kimi_cg: symbolic run of %s failed (%s); rows at this call's sizes", self.key, error)
+                    logger.debug("kimi_cg: symbolic run of %s failed (%s); shapes at this call's sizes", self.key, error)
                     counters["device_program_concrete_row_runs"] += 1
-                    rows = _concrete_output_rows(self.gm, inputs)
-                    if len(self.output_rows_by_shape) < 4096:
-                        self.output_rows_by_shape[signature] = rows
-                    return rows
-                if len(self._row_runs) < 64:
-                    self._row_runs.append(run)
-            rows = run.rows(self._size_positions, signature)
-            if len(self.output_rows_by_shape) < 4096:
-                self.output_rows_by_shape[signature] = rows
-        return rows
+                    shapes = _concrete_output_shapes(self.gm, inputs)
+                    if len(self.output_shapes_by_signature) < 4096:
+                        self.output_shapes_by_signature[signature] = shapes
+                    return shapes
+                if len(self._shape_runs) < 64:
+                    self._shape_runs.append(run)
+            shapes = run.at(self._size_positions, signature)
+            if len(self.output_shapes_by_signature) < 4096:
+                self.output_shapes_by_signature[signature] = shapes
+        return shapes
 
 
 def _symbolic_fakes(inputs, fake_mode, host_inputs: frozenset[int], traced):
     """Fake inputs whose sizes are symbols (no duck sizing, no 0/1 specialisation), so the compiled
     program is valid for every patch count; dims that must agree (pixels and position embeddings
     both have L rows) are unified by the guards the ops themselves add while tracing. Activations
-    vary in dim 0, and in every later dim that dynamo traced as symbolic (``traced``: the placeholders'
-    example values; a frame called with tensors of two widths); host metadata (gather plans: rows and
-    frames) in every dim; module state not."""
+    vary in their row dim (dim 0, or after a literal batch of one: NOTE [rows on dim 1] in
+    kimi_cg/capture.py), and in every later dim that dynamo traced as symbolic (``traced``: the
+    placeholders' example values; a frame called with tensors of two widths); host metadata (gather
+    plans: rows and frames) in every dim; module state not."""
     from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
 
     fakes = []
@@ -226,9 +233,11 @@ def _symbolic_fakes(inputs, fake_mode, host_inputs: frozenset[int], traced):
                 dynamic = [DimDynamic.STATIC] * value.dim()
             else:
                 example = traced[position] if position < len(traced) else None
-                shape = example.shape if isinstance(example, torch.Tensor) and example.dim() == value.dim() else value.shape
-                dynamic = [DimDynamic.DYNAMIC] + [
-                    DimDynamic.DYNAMIC if isinstance(size, torch.SymInt) else DimDynamic.STATIC for size in shape[1:]]
+                traced_here = isinstance(example, torch.Tensor) and example.dim() == value.dim()
+                shape = example.shape if traced_here else value.shape
+                rows = row_dim(example) if traced_here else 0
+                dynamic = [DimDynamic.STATIC] * rows + [DimDynamic.DYNAMIC] + [
+                    DimDynamic.DYNAMIC if isinstance(size, torch.SymInt) else DimDynamic.STATIC for size in shape[rows + 1:]]
             context = StatelessSymbolicContext(dynamic_sizes=dynamic)
             fakes.append(fake_mode.from_tensor(value, symbolic_context=context))
         else:
@@ -259,7 +268,7 @@ def _fake_inputs(gm: torch.fx.GraphModule, inputs, host_inputs: frozenset[int]):
         else:
             # A size passed on its own (transformers' ``seq_len`` argument): a symbol of its own, related
             # to the tensors' sizes by the guards the ops add while tracing, as the tensor sizes are;
-            # output_rows reads its value from the input itself. (The bucketed path pads it only when it
+            # output_shapes reads its value from the input itself. (The bucketed path pads it only when it
             # is the call's row count: BucketedGraphs.choose.)
             fakes[position] = _own_symbol(shape_env, inputs[position], node.name)
     return fake_mode, fakes
@@ -305,7 +314,7 @@ def _compile_with_inductor(gm: torch.fx.GraphModule, inputs, host_inputs: frozen
     from torch._inductor.compile_fx import compile_fx
 
     fake_mode, fakes = _fake_inputs(gm, inputs, host_inputs)
-    symbols = _input_symbols(fakes)  # before the compile (see _output_row_expressions)
+    symbols = _input_symbols(fakes)  # before the compile (see _output_shape_expressions)
     no_inductor_cache = {key: False for key in ("fx_graph_cache", "fx_graph_remote_cache") if hasattr(inductor_config, key)}
     no_autograd_cache = {key: False for key in ("enable_autograd_cache",) if hasattr(functorch_config, key)}
     with fake_mode, inductor_config.patch(no_inductor_cache), functorch_config.patch(no_autograd_cache):
@@ -386,21 +395,23 @@ class ShapeAssumptions:
         return True
 
 
-class SymbolicRows:
-    """One symbolic run's output row counts, as expressions over its input symbols (a call's sizes
+class SymbolicShapes:
+    """One symbolic run's output shapes, as expressions over its input symbols (a call's sizes
     evaluate them where ``assumptions`` hold)."""
 
-    def __init__(self, expressions: list, assumptions: ShapeAssumptions):
-        self.expressions, self.assumptions = expressions, assumptions
-        self._rows = python_function(expressions, assumptions.order)  # NOTE [size expressions as Python]
+    def __init__(self, shapes: list, assumptions: ShapeAssumptions):
+        self.shapes, self.assumptions = shapes, assumptions  # per output: a tuple of expressions, or None
+        self._flat = [expression for shape in shapes if shape is not None for expression in shape]
+        self._sizes = python_function(self._flat, assumptions.order)  # NOTE [size expressions as Python]
 
-    def rows(self, positions, signature) -> list[int | None]:
-        if self._rows is not None:
-            sizes = self.assumptions.sizes(positions, signature)
-            if sizes is not None:
-                return [None if row is None else int(row) for row in self._rows(*sizes)]
-        values = self.assumptions.values(positions, signature)
-        return [None if expr is None else int(expr.xreplace(values)) for expr in self.expressions]
+    def at(self, positions, signature) -> list[tuple[int, ...] | None]:
+        sizes = self.assumptions.sizes(positions, signature) if self._sizes is not None else None
+        if sizes is not None:
+            flat = iter(self._sizes(*sizes))
+        else:
+            values = self.assumptions.values(positions, signature)
+            flat = iter([int(expression.xreplace(values)) for expression in self._flat])
+        return [None if shape is None else tuple(int(next(flat)) for _ in shape) for shape in self.shapes]
 
 
 def python_function(expressions: list, symbols: list):
@@ -445,33 +456,32 @@ def python_function(expressions: list, symbols: list):
         return None
 
 
-def _output_row_expressions(gm: torch.fx.GraphModule, inputs, host_inputs: frozenset[int]) -> SymbolicRows:
-    """Run the program on symbolic fakes once: each output's leading size as an expression over
-    (input index, dim) symbols, valid where the run's assumptions hold."""
+def _output_shape_expressions(gm: torch.fx.GraphModule, inputs, host_inputs: frozenset[int]) -> SymbolicShapes:
+    """Run the program on symbolic fakes once: each output's shape as expressions over (input index,
+    dim) symbols, valid where the run's assumptions hold."""
     fake_mode, fakes = _fake_inputs(gm, inputs, host_inputs)
     symbols = _input_symbols(fakes)  # before the run: a size's expression reads through the run's replacements
     with fake_mode:
         outputs = gm(*fakes)
     shape_env = fake_mode.shape_env
-    expressions = []
-    for output in outputs:
-        if isinstance(output, torch.Tensor) and output.dim():
-            size = output.shape[0]
-            expressions.append(shape_env.replace(size.node.expr) if isinstance(size, torch.SymInt) else sympy.Integer(size))
-        else:
-            expressions.append(None)
-    return SymbolicRows(expressions, ShapeAssumptions(shape_env, symbols))
+
+    def expression(size):
+        return shape_env.replace(size.node.expr) if isinstance(size, torch.SymInt) else sympy.Integer(size)
+
+    shapes = [tuple(map(expression, output.shape)) if isinstance(output, torch.Tensor) and output.dim() else None
+              for output in outputs]
+    return SymbolicShapes(shapes, ShapeAssumptions(shape_env, symbols))
 
 
-def _concrete_output_rows(gm: torch.fx.GraphModule, inputs) -> list[int | None]:
-    """Each output's leading size for exactly these inputs (a fake run at their own sizes)."""
+def _concrete_output_shapes(gm: torch.fx.GraphModule, inputs) -> list[tuple[int, ...] | None]:
+    """Each output's shape for exactly these inputs (a fake run at their own sizes)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     fakes = [fake_mode.from_tensor(value) if isinstance(value, torch.Tensor) else value for value in inputs]
     with fake_mode:
         outputs = gm(*fakes)
-    return [int(output.shape[0]) if isinstance(output, torch.Tensor) and output.dim() else None for output in outputs]
+    return [tuple(map(int, output.shape)) if isinstance(output, torch.Tensor) and output.dim() else None for output in outputs]
 
 
 def get_device_program(gm: torch.fx.GraphModule, compiler: str, host_inputs: frozenset[int] = frozenset()) -> DeviceProgram:

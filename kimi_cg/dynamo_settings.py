@@ -64,9 +64,10 @@ rows: slower than the shared Inductor program), and the second size traces the f
 rows symbolic. A later trace (a new item count, the RoPE table built at the first call) whose call
 happens to have the rows of the first is static again. So whenever dynamo traces a kimi_cg frame
 that looks like a tower's entry (its tensor arguments, also inside ``*args`` / ``**kwargs`` and the
-tuples in them, not parameters: float tensors of one leading size, the packed rows, and integer
-grids of shape [N, 2] or [N, 3]), the start callback marks the rows' leading dim with
-``maybe_mark_dynamic``: what automatic dynamic would mark once the rows changed, from the first
+tuples in them, not parameters: float tensors of one row count, the packed rows, and integer
+grids of shape [N, 2] or [N, 3]), the start callback marks the rows' dim with
+``maybe_mark_dynamic`` (dim 0, or dim 1 after a batch of one: NOTE [rows on dim 1] in
+kimi_cg/capture.py): what automatic dynamic would mark once the rows changed, from the first
 trace on. Other frames are left to dynamo: a resumed piece's stack or a nested frame given indices
 and tables (Qwen2.5-VL's window permutation over groups of 4 rows, Kimi-K2.5's per-frame index into
 its time table) would need each integer tensor's relation to the rows guessed, and a wrong guess
@@ -260,7 +261,7 @@ def _on_compile_end(_args) -> None:
 
 
 def _mark_leading_dims_dynamic(code, frame_locals) -> list:
-    """NOTE [dynamic first trace]: marks the leading dim of a tower entry's packed rows maybe-dynamic.
+    """NOTE [dynamic first trace]: marks the row dim of a tower entry's packed rows maybe-dynamic.
     Returns [(tensor, its marks before)] for ``_unmark``."""
     if code is None or not isinstance(frame_locals, dict):
         return []
@@ -275,19 +276,26 @@ def _mark_leading_dims_dynamic(code, frame_locals) -> list:
     # Parameters are module state; sizes 0 and 1 are specialised whatever the marks say.
     tensors = [v for v in values if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) and v.dim() >= 1]
     floats = list({id(t): t for t in tensors if t.is_floating_point()}.values())  # one tensor passed twice: once
-    # A tower's entry: its packed rows (float, one leading size) and grids ([N, 2] or [N, 3] integers).
+    # A tower's entry: its packed rows (float, one row count) and grids ([N, 2] or [N, 3] integers).
     # Anything else (a resumed piece's stack, a nested frame given indices or tables) is left to dynamo.
-    if code.co_name.startswith("torch_dynamo_resume_in_") or len({t.shape[0] for t in floats}) != 1:
+    if code.co_name.startswith("torch_dynamo_resume_in_") or len({t.shape[_rows_dim(t)] for t in floats}) != 1:
         return []
     grids_only = all(t.is_floating_point() or (t.dim() == 2 and t.shape[1] in (2, 3)) for t in tensors)
-    if not grids_only or floats[0].shape[0] < 2:
+    if not grids_only or floats[0].shape[_rows_dim(floats[0])] < 2:
         return []
     marked = [(value, {name: set(getattr(value, name)) if name == _WEAK else getattr(value, name)
                        for name in _MARKS if hasattr(value, name)}) for value in floats]
     for value in floats:
-        torch._dynamo.maybe_mark_dynamic(value, 0)
+        torch._dynamo.maybe_mark_dynamic(value, _rows_dim(value))
     counters["traces_with_dynamic_rows"] += 1
     return marked
+
+
+def _rows_dim(tensor: torch.Tensor) -> int:
+    """Where a tower entry's float argument holds its rows: dim 0, or dim 1 of a [1, L, ...] tensor of
+    three dims or more (a batch of one kept in front of the rows, NOTE [rows on dim 1] in
+    kimi_cg/capture.py: PaddleOCR-VL's patches)."""
+    return 1 if tensor.dim() >= 3 and tensor.shape[0] == 1 and tensor.shape[1] >= 2 else 0
 
 
 _WEAK = "_dynamo_weak_dynamic_indices"

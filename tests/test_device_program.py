@@ -56,10 +56,10 @@ def test_rows_of_a_graph_that_cannot_run_symbolically_come_from_the_call_itself(
     def fails(*args, **kwargs):
         raise RuntimeError("shape '[12, 3, 2, -1]' is invalid for input of size 12*s0")
 
-    monkeypatch.setattr(device_program, "_output_row_expressions", fails)
+    monkeypatch.setattr(device_program, "_output_shape_expressions", fails)
     program = DeviceProgram(torch.fx.symbolic_trace(_static_block), "test:static", "eager")
     x = torch.randn(12, 6)
-    assert program.output_rows([x]) == [12] and program.output_rows([x]) == [12]
+    assert program.output_rows([x]) == [12] and program.output_shapes([x]) == [(12, 2)]
     assert kimi_cg.counters["device_program_concrete_row_runs"] == 1  # kept for that signature
 
 
@@ -112,8 +112,8 @@ def test_compiled_conditions_and_rows_equal_substitution_on_a_program(compiler):
     weight, bias = torch.randn(48, 256), torch.randn(48)
     for rows in (4, 8):
         program.output_rows([torch.randn(rows, 64), weight, bias])
-    runs = program._row_runs
-    assert runs and all(run._rows is not None and run.assumptions._test is not None for run in runs)
+    runs = program._shape_runs
+    assert runs and all(run._sizes is not None and run.assumptions._test is not None for run in runs)
     positions = program._size_positions
     for rows in range(1, 400):
         signature = (rows,) * len(positions)
@@ -123,11 +123,11 @@ def test_compiled_conditions_and_rows_equal_substitution_on_a_program(compiler):
             try:
                 assert run.assumptions.hold(positions, signature) == held
                 if held:
-                    printed = run.rows(positions, signature)
-                    compiled, run._rows = run._rows, None
+                    printed = run.at(positions, signature)
+                    compiled, run._sizes = run._sizes, None
                     try:
-                        assert run.rows(positions, signature) == printed
+                        assert run.at(positions, signature) == printed
                     finally:
-                        run._rows = compiled
+                        run._sizes = compiled
             finally:
                 run.assumptions._test = test

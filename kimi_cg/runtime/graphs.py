@@ -88,7 +88,7 @@ import weakref
 import torch
 
 import kimi_cg.ops  # noqa: F401  (registers torch.ops.kimi_cg.*)
-from kimi_cg.capture import example_value
+from kimi_cg.capture import example_value, row_dim
 from kimi_cg.counters import counters, timings
 from kimi_cg.device_program import DeviceProgram
 from kimi_cg.fallback import record_fallback
@@ -145,6 +145,7 @@ class InputRule:
     kind: str  # "rows", "size", "static", "fixed", "cu_seqlens", "plan_index", "plan_weight", "row_index",
     #            "index_size", "unpadded"
     shape: tuple[int, ...] | None = None  # "fixed": the shape every call's value has
+    dim: int = 0  # "rows": the dim that holds the rows (NOTE [rows on dim 1] in kimi_cg/capture.py)
 
 
 def input_rules(program: DeviceProgram, kinds: list[str]) -> list[InputRule]:
@@ -154,7 +155,7 @@ def input_rules(program: DeviceProgram, kinds: list[str]) -> list[InputRule]:
     # The packed rows: the activations' leading size (symbolic, or in dynamo's static first trace the
     # largest). Inputs of one fixed shape that is not row-aligned (a table a previous piece computed)
     # are copied in as they are each call.
-    leading = [_leading_size(node) for node, kind in zip(placeholders, kinds) if kind == "activation"]
+    leading = [_rows_size(node) for node, kind in zip(placeholders, kinds) if kind == "activation"]
     symbolic = [size for size in leading if size is not None and not isinstance(size, int)]
     static_rows = None if symbolic else max((size for size in leading if size is not None), default=None)
     rules = []
@@ -162,7 +163,8 @@ def input_rules(program: DeviceProgram, kinds: list[str]) -> list[InputRule]:
         if kind == "activation":
             # A float input whose trailing sizes vary too (one frame called with tensors of two widths)
             # does not fit one static buffer per bucket.
-            rules.append(InputRule("unpadded" if _has_symbolic_trailing_dims(node) else "rows"))
+            dim = row_dim(example_value(node))
+            rules.append(InputRule("unpadded") if _has_symbolic_trailing_dims(node, dim) else InputRule("rows", dim=dim))
         elif kind == "state":
             rules.append(InputRule("static"))
         elif kind == "size":
@@ -290,6 +292,12 @@ def _leading_size(node: torch.fx.Node):
     return value.shape[0] if isinstance(value, torch.Tensor) and value.dim() >= 1 else None
 
 
+def _rows_size(node: torch.fx.Node):
+    """An activation's row count: its size at its row dim (NOTE [rows on dim 1])."""
+    value = example_value(node)
+    return value.shape[row_dim(value)] if isinstance(value, torch.Tensor) and value.dim() >= 1 else None
+
+
 def _row_aligned(node: torch.fx.Node, static_rows, row_sizes) -> bool:
     """One entry per packed row: the activations' symbolic leading size, or the static first trace's
     row count."""
@@ -337,9 +345,10 @@ def _only_gathers_with(node: torch.fx.Node) -> bool:
     return bool(node.users)
 
 
-def _has_symbolic_trailing_dims(node: torch.fx.Node) -> bool:
+def _has_symbolic_trailing_dims(node: torch.fx.Node, dim: int = 0) -> bool:
+    """Whether a size after the row dim ``dim`` is symbolic."""
     value = example_value(node)
-    return isinstance(value, torch.Tensor) and any(not isinstance(size, int) for size in value.shape[1:])
+    return isinstance(value, torch.Tensor) and any(not isinstance(size, int) for size in value.shape[dim + 1:])
 
 
 @dataclasses.dataclass
@@ -374,6 +383,16 @@ def _side_stream() -> torch.cuda.Stream:
         if device not in _SIDE_STREAMS:
             _SIDE_STREAMS[device] = torch.cuda.Stream(device)
         return _SIDE_STREAMS[device]
+
+
+def _unpadded(output, shape):
+    """A copy of a bucket's output cut to the unpadded call's ``shape``: rows are on dim 0 (or on
+    the dim after a batch of one: NOTE [rows on dim 1]); the other dims already have their size."""
+    if not isinstance(output, torch.Tensor) or shape is None:
+        return output
+    if output.shape[1:] == shape[1:]:
+        return output[:shape[0]].clone()
+    return output[tuple(slice(0, size) for size in shape)].clone()
 
 
 def _copy_outputs(outputs, targets) -> None:
@@ -421,6 +440,7 @@ class BucketedGraphs:
         # Per-call loops skip the static inputs (the weights, hundreds of them): they need no copy.
         self.padded = [(i, rule) for i, rule in enumerate(rules) if rule.kind != "static"]
         self.row_positions = [i for i, rule in self.padded if rule.kind == "rows"]
+        self._row_dims = [(i, rule.dim) for i, rule in self.padded if rule.kind == "rows"]
         self.group_index_positions = [i for i, rule in self.padded if rule.kind == "row_index"]
         self.group = None  # k of NOTE [padding rules]'s row-group indices, set at the first call
         # No rows to pad, or an input no rule pads: every call runs the plain program.
@@ -463,7 +483,7 @@ class BucketedGraphs:
         return self._patches(inputs)
 
     def _patches(self, inputs) -> int:
-        return max((inputs[i].shape[0] for i in self.row_positions), default=0)
+        return max((inputs[i].shape[dim] for i, dim in self._row_dims), default=0)
 
     def check_padding(self, inputs) -> str | None:
         """Why this program must not run on padded rows (NOTE [row locality]), or None; decided at the
@@ -533,7 +553,7 @@ class BucketedGraphs:
                 if value.shape[1] > self.max_frames:
                     return None
                 needed = max(needed, value.shape[0])
-            if rule.kind == "rows" and value.shape[0] != rows:
+            if rule.kind == "rows" and value.shape[rule.dim] != rows:
                 return None  # host metadata that is not row-aligned with the patches
             if rule.kind == "row_index" and value.shape[0] * self.group != rows:
                 return None
@@ -635,6 +655,8 @@ class BucketedGraphs:
         if not cu_positions or self.never_padded or any(r.kind in ("fixed", "row_index") for r in self.rules) or (
                 self.check_padding(inputs) is not None):
             return None
+        if any(r.kind == "rows" and r.dim for r in self.rules):
+            return None  # NOTE [rows on dim 1]: parts are cut on dim 0; such calls run unsplit
         cu = inputs[cu_positions[0]]
         if any(not torch.equal(inputs[i].cpu(), cu.cpu()) for i in cu_positions[1:]):
             return None
@@ -745,7 +767,9 @@ class BucketedGraphs:
             elif rule.kind == "row_index":
                 static.append(torch.arange(capacity // self.group, dtype=value.dtype, device=device))
             elif rule.kind == "rows":
-                static.append(torch.zeros((capacity, *value.shape[1:]), dtype=value.dtype, device=device))
+                shape = list(value.shape)
+                shape[rule.dim] = capacity
+                static.append(torch.zeros(shape, dtype=value.dtype, device=device))
             elif rule.kind == "fixed":
                 static.append(torch.zeros(rule.shape, dtype=value.dtype, device=device))
             elif rule.kind == "cu_seqlens":
@@ -766,7 +790,11 @@ class BucketedGraphs:
         capacity = bucket.capacity
         for i, rule in self.padded:
             static, value = bucket.inputs[i], inputs[i]
-            if rule.kind == "rows":
+            if rule.kind == "rows" and rule.dim:
+                rows = value.shape[rule.dim]
+                static.narrow(rule.dim, 0, rows).copy_(value, non_blocking=True)
+                static.narrow(rule.dim, rows, capacity - rows).zero_()
+            elif rule.kind == "rows":
                 rows = value.shape[0]
                 static[:rows].copy_(value, non_blocking=True)
                 static[rows:].zero_()
@@ -972,7 +1000,7 @@ class BucketedGraphs:
         segment-length class: NOTE [segment-length classes]); None when that bucket was dropped (NOTE
         [memory pressure]) or the exact-size graph could not be made: the caller then chooses again
         or runs the plain program. ``host_side``: as in ``choose_exact``."""
-        rows = self.program.output_rows(inputs)
+        shapes = self.program.output_shapes(inputs)
         with self.lock:  # NOTE [concurrent calls]
             self.prepare(inputs)
             bucket = self._exact_bucket(capacity, inputs) if exact else self.buckets.get(capacity)
@@ -997,9 +1025,7 @@ class BucketedGraphs:
                 counters["padded_runs"] += 1
                 if bound is not None:
                     counters["length_class_runs"] += 1
-            results = tuple(
-                out[:n].clone() if isinstance(out, torch.Tensor) and n is not None else out for out, n in zip(outputs, rows)
-            )
+            results = tuple(_unpadded(out, shape) for out, shape in zip(outputs, shapes))
             if self.on_cuda:  # captured or not, the static buffers are reused by the next call's stream
                 self._last_use = torch.cuda.Event()
                 self._last_use.record()

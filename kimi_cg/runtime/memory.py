@@ -232,6 +232,6 @@ def memory_report() -> dict:
         "graphs": {"sets": len(sets), "buckets": sum(len(g.buckets) for g in sets),
                    "captured_bytes_by_device": dict(graph_bytes), "static_buffer_bytes_by_device": dict(static_bytes)},
         "programs": {"device_programs": len(programs),
-                     "output_size_entries": sum(len(p.output_rows_by_shape) for p in programs)},
+                     "output_size_entries": sum(len(p.output_shapes_by_signature) for p in programs)},
         "resize_matrices": resize.matrix_cache_report(),
     }

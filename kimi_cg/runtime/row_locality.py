@@ -87,7 +87,7 @@ def _shapes(gm: torch.fx.GraphModule, rules, inputs, scale: int) -> dict:
         elif isinstance(value, torch.Tensor):
             shape = list(value.shape)
             if rule.kind in ("rows", "plan_index", "plan_weight", "row_index") and shape:
-                shape[0] *= scale
+                shape[rule.dim] *= scale
             args.append(torch.empty(shape, dtype=value.dtype, device="meta"))
         else:
             args.append(value)
@@ -138,8 +138,10 @@ def padding_hazard(gm: torch.fx.GraphModule, rules, inputs) -> str | None:
     except Exception as error:  # noqa: BLE001 - an op without a meta kernel: not provably row-local
         return f"the program does not run on meta tensors ({type(error).__name__}: {str(error)[:200]})"
     shapes = _Shapes(small, large)
-    # The packed rows in both runs (the row inputs' leading size), or None when they disagree.
-    row_counts = {shapes.leading(node, 1) for node in row_inputs if shapes.is_tensor(node) and shapes.rank(node)}
+    # The packed rows in both runs (the row inputs' sizes up to their row axis: dim 0, or dim 1 after a
+    # batch of one, NOTE [rows on dim 1] in kimi_cg/capture.py), or None when they disagree.
+    row_counts = {shapes.leading(node, rule.dim + 1) for node, rule in zip(placeholders, rules)
+                  if node in row_inputs and shapes.is_tensor(node) and shapes.rank(node) > rule.dim}
     rows = row_counts.pop() if len(row_counts) == 1 else None
     segment_inputs = {node for node, rule in zip(placeholders, rules) if rule.kind == "cu_seqlens"}
     group_indices = {node for node, rule in zip(placeholders, rules) if rule.kind == "row_index"}
