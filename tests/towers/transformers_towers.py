@@ -267,6 +267,32 @@ def build_paddleocr_vl(attn_implementation: str = "sdpa", seed: int = 0) -> Towe
     return Tower(f"paddleocr_vl[{attn_implementation}]", model, make_inputs, tensors_of)
 
 
+def build_pixtral(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
+    """transformers' Pixtral vision tower (Mistral 3, Pixtral, LightOnOCR): pixel_values [N, 3, H, W], a
+    batch of images padded to the largest, and image_sizes [N, 2] in pixels; the patch convolution runs
+    on the padded batch and each image's patches are cropped out of it and packed into [1, L, D]; 2D
+    rotary positions per image; attention under a block-diagonal mask (sdpa, eager). Grid rows are
+    [1, h, w] in patches."""
+    config_class, model_class = _load("pixtral", "PixtralVisionConfig", "PixtralVisionModel")
+    config = config_class(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
+                          num_attention_heads=HEADS, head_dim=HIDDEN // HEADS, num_channels=3,
+                          image_size=16 * PATCH, patch_size=PATCH)
+    model = _build(model_class, config, attn_implementation, seed)
+
+    def make_inputs(grid: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        grid_thw = _grid_tensor(grid)
+        if bool((grid_thw[:, 0] != 1).any()):
+            raise ValueError(f"Pixtral takes images only (t == 1); got {grid}")
+        sizes = grid_thw[:, 1:] * PATCH
+        generator = torch.Generator().manual_seed(seed + int(grid_thw.prod(dim=-1).sum()))
+        pixels = torch.zeros(len(grid), 3, int(sizes[:, 0].max()), int(sizes[:, 1].max()))
+        for image, (height, width) in zip(pixels, sizes.tolist()):  # the processor pads with zeros
+            image[:, :height, :width] = torch.randn(3, height, width, generator=generator)
+        return pixels, sizes
+
+    return Tower(f"pixtral[{attn_implementation}]", model, make_inputs, tensors_of)
+
+
 FACTORIES = {
     "kimi_k25": build_kimi_k25,
     "qwen2_vl": build_qwen2_vl,
@@ -279,4 +305,5 @@ FACTORIES = {
     "ernie4_5_vl": build_ernie4_5_vl,
     "video_llama_3": build_video_llama_3,
     "paddleocr_vl": build_paddleocr_vl,
+    "pixtral": build_pixtral,
 }
