@@ -109,6 +109,14 @@ GRIDS = {
         [[1, 4, 4], [1, 6, 2]],
         [[1, 2, 8], [1, 10, 4]],
     ],
+    # Towers of other models that reuse a family's layout (the bucketed test only): images and a video of 2
+    # temporal patches where the tower takes them.
+    "qwen3_vl_moe": [[[1, 4, 6]], [[1, 4, 4], [1, 6, 2]], [[2, 2, 4], [1, 10, 4]]],
+    "qwen3_omni_moe": [[[1, 4, 6]], [[1, 4, 4], [1, 6, 2]], [[2, 2, 4], [1, 10, 4]]],
+    "glm4v_moe": [[[1, 4, 6]], [[1, 4, 4], [1, 6, 2]], [[1, 12, 10], [1, 12, 10]]],
+    "glm_image": [[[1, 4, 6]], [[1, 4, 4], [1, 6, 2]], [[1, 2, 4], [1, 10, 4]]],
+    # Ovis2.5: windows of 2 x 2 merged tokens; 6 x 2 and 10 x 4 leave partial windows.
+    "ovis2_5": [[[1, 4, 6]], [[1, 4, 4], [1, 6, 2]], [[1, 8, 8], [1, 10, 4]]],
     # [h, w] rows (Kimi-VL has images only).
     "upstream_moonvit": [
         [[4, 6]],
@@ -196,8 +204,8 @@ def test_compiled_tower_matches_eager(factory, tower_name, attn_implementation):
     if f"{tower_name}-{attn_implementation}" in NO_LIFT_FALLBACK:
         assert kimi_cg.counters["lift_fallbacks"] == 0 and kimi_cg.counters["call_fallbacks"] == 0, dict(kimi_cg.counters)
         assert kimi_cg.counters["host_programs_built"] > 0
-    if f"{tower_name}-{attn_implementation}" in NOT_LIFTED:
-        assert kimi_cg.counters["lift_fallbacks"] > 0, dict(kimi_cg.counters)
+    if f"{tower_name}-{attn_implementation}" in NOT_LIFTED:  # (how it falls back depends on the transformers release)
+        assert kimi_cg.counters["device_programs_compiled"] == 0, dict(kimi_cg.counters)
 
 
 # The bucketed, padded path (what CUDA graphs replay; on CPU the same padding runs without capture):
@@ -206,7 +214,8 @@ BUCKET_OPTIONS = {"cuda_graphs": True, "token_budgets": [32, 64, 128, 256]}
 # PaddleOCR-VL's patches come as [1, L, 3, p, p] and HunYuan-VL's layers keep [1, L, D]: their rows are
 # on dim 1 (NOTE [rows on dim 1] in kimi_cg/capture.py), padded there.
 REPLAYS_EVERY_CALL = {"kimi_k25", "qwen2_vl", "qwen2_5_vl", "glm4v", "qwen3_vl", "qwen3_5", "glm_ocr", "ernie4_5_vl",
-                      "video_llama_3", "paddleocr_vl", "hunyuan_vl"}
+                      "video_llama_3", "paddleocr_vl", "hunyuan_vl", "qwen3_vl_moe", "qwen3_omni_moe", "glm4v_moe",
+                      "glm_image", "ovis2_5"}
 # Device-program calls (replays or plain runs) per tower call once traced: the pieces around graph
 # breaks, not one per layer. Kimi-K2.5 breaks at `int(t > 1)`; Qwen2-VL and GLM-4V are one piece, the
 # whole forward on its flash branch (NOTE [flash path] in kimi_cg/attention_substitutes.py).
@@ -216,7 +225,7 @@ REPLAYS_EVERY_CALL = {"kimi_k25", "qwen2_vl", "qwen2_5_vl", "glm4v", "qwen3_vl",
 # the forward is traced, every call replays.
 FALLBACKS_WHILE_TRACING = {"qwen2_5_vl"}
 DEVICE_CALLS_PER_CALL = {"kimi_k25": 2, "qwen2_vl": 1, "qwen2_5_vl": 1, "glm4v": 1, "qwen3_vl": 1, "qwen3_5": 1, "glm_ocr": 1,
-                         "paddleocr_vl": 1}
+                         "paddleocr_vl": 1, "qwen3_vl_moe": 1, "qwen3_omni_moe": 1, "glm4v_moe": 1, "glm_image": 1}
 # Device programs per piece (a frame dynamo traces, read from the debug dump): the static first trace and
 # the dynamic one. Qwen2.5-VL's nested permute_input_for_window_attn, traced on its own while the forward
 # runs eagerly, is called with the hidden states and the rotary table: static, dynamic rows, dynamic
@@ -224,12 +233,15 @@ DEVICE_CALLS_PER_CALL = {"kimi_k25": 2, "qwen2_vl": 1, "qwen2_5_vl": 1, "glm4v":
 # on their flash branch (NOTE [flash path]): window and full-attention layers pass cu_seqlens of other
 # lengths (two static traces), then dynamic rows. transformers 5.17 names that block frame `__call__`
 # (GradientCheckpointingLayer's), later releases `forward_with_checkpointing`.
+# Ovis2.5's window and full-attention blocks are traced alike (its forward runs in dynamo's glue first).
 PROGRAMS_PER_PIECE = {("qwen2_5_vl", "permute_input_for_window_attn"): 3, ("qwen2_5_vl", "forward_with_checkpointing"): 3,
-                      ("qwen2_5_vl", "__call__"): 3}
+                      ("qwen2_5_vl", "__call__"): 3, ("ovis2_5", "forward_with_checkpointing"): 3,
+                      ("ovis2_5", "__call__"): 3}
 
 
 @pytest.mark.parametrize("tower_name", ["kimi_k25", "qwen2_vl", "qwen2_5_vl", "glm4v", "qwen3_vl", "qwen3_5", "glm_ocr",
                                         "hunyuan_vl", "ernie4_5_vl", "video_llama_3", "paddleocr_vl",
+                                        "qwen3_vl_moe", "qwen3_omni_moe", "glm4v_moe", "glm_image", "ovis2_5",
                                         "upstream_moonvit"])
 def test_bucketed_path_matches_eager(tower_name, tmp_path):
     from kimi_cg.debug.dump import read_index

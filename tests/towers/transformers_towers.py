@@ -209,6 +209,53 @@ def build_glm_ocr(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
     return Tower(f"glm_ocr[{attn_implementation}]", model, _qwen_style_inputs(3, seed), tensors_of)
 
 
+def build_qwen3_vl_moe(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
+    """transformers' Qwen3-VL-MoE vision tower (Qwen3-VL-30B-A3B, 235B-A22B): Qwen3-VL's, a model of its own."""
+    config_class, model_class = _load("qwen3_vl_moe", "Qwen3VLMoeVisionConfig", "Qwen3VLMoeVisionModel")
+    config = config_class(**TINY_VISION, num_position_embeddings=64, deepstack_visual_indexes=[0])
+    model = _build(model_class, config, attn_implementation, seed)
+    return Tower(f"qwen3_vl_moe[{attn_implementation}]", model, _qwen_style_inputs(3, seed), tensors_of)
+
+
+def build_qwen3_omni_moe(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
+    """transformers' Qwen3-Omni vision encoder (Qwen3-VL's layout, deepstack mergers)."""
+    config_class, model_class = _load("qwen3_omni_moe", "Qwen3OmniMoeVisionEncoderConfig", "Qwen3OmniMoeVisionEncoder")
+    config = config_class(**TINY_VISION, num_position_embeddings=64, deepstack_visual_indexes=[0])
+    model = _build(model_class, config, attn_implementation, seed)
+    return Tower(f"qwen3_omni_moe[{attn_implementation}]", model, _qwen_style_inputs(3, seed), tensors_of)
+
+
+def build_glm4v_moe(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
+    """transformers' GLM-4.5V / 4.6V vision tower (GLM-4V's)."""
+    config_class, model_class = _load("glm4v_moe", "Glm4vMoeVisionConfig", "Glm4vMoeVisionModel")
+    config = config_class(depth=LAYERS, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, out_hidden_size=OUT_HIDDEN,
+                          num_heads=HEADS, in_channels=3, image_size=8 * PATCH, patch_size=PATCH,
+                          spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL_PATCH)
+    model = _build(model_class, config, attn_implementation, seed)
+    return Tower(f"glm4v_moe[{attn_implementation}]", model, _qwen_style_inputs(3, seed), tensors_of)
+
+
+def build_glm_image(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
+    """transformers' GLM-Image vision tower: GLM-4V's layout without a merge (merge size 1), one frame per row."""
+    config_class, model_class = _load("glm_image", "GlmImageVisionConfig", "GlmImageVisionModel")
+    config = config_class(depth=LAYERS, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_heads=HEADS, in_channels=3,
+                          image_size=8 * PATCH, patch_size=PATCH, spatial_merge_size=1)
+    model = _build(model_class, config, attn_implementation, seed)
+    return Tower(f"glm_image[{attn_implementation}]", model, _qwen_style_inputs(3, seed, temporal_patch=1), tensors_of)
+
+
+def build_ovis2_5(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
+    """transformers' Ovis2.5 vision tower (SigLIP2-NaViT packing): window-attention layers (Qwen2.5-VL's window
+    index) and full-attention layers, one frame per row."""
+    config_class, model_class = _load("ovis2_5", "Ovis2_5VisionConfig", "Ovis2_5VisionModel")
+    config = config_class(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
+                          num_attention_heads=HEADS, num_channels=3, patch_size=PATCH, spatial_merge_size=MERGE,
+                          image_size=8 * PATCH, window_size=2 * MERGE * PATCH,
+                          layer_types=["window_attention", "full_attention"], temporal_patch_size=1)
+    model = _build(model_class, config, attn_implementation, seed)
+    return Tower(f"ovis2_5[{attn_implementation}]", model, _qwen_style_inputs(3, seed, temporal_patch=1), tensors_of)
+
+
 def build_hunyuan_vl(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
     """transformers' HunYuan-VL vision tower: one patch per row (no temporal patch), images; its layers
     keep a [1, L, D] batch dim, so its packed rows are dim 1, not dim 0."""
@@ -306,4 +353,9 @@ FACTORIES = {
     "video_llama_3": build_video_llama_3,
     "paddleocr_vl": build_paddleocr_vl,
     "pixtral": build_pixtral,
+    "qwen3_vl_moe": build_qwen3_vl_moe,
+    "qwen3_omni_moe": build_qwen3_omni_moe,
+    "glm4v_moe": build_glm4v_moe,
+    "glm_image": build_glm_image,
+    "ovis2_5": build_ovis2_5,
 }
