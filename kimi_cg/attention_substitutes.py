@@ -33,8 +33,11 @@ transformers defines to compute the same attention as the split loop. So in a ki
   substituted here (so the branch's attention call reaches the code below);
 - the SDPA function then receives the packed q, k, v and traces ``torch.ops.kimi_cg.varlen_attention``
   over ``cu_seq_lens_q`` (kimi_cg's varlen vocabulary: segment padding, bounds, kernels), when the
-  call is one it computes exactly: batch 1, no mask, no dropout, not causal, no GQA, the same
-  boundaries for keys as for queries, no other option. Any other SDPA call in such a trace (a flash
+  call is one it computes exactly: batch 1, no mask, no dropout, not causal, the same boundaries for
+  keys as for queries, no other option (options that are None, e.g. a ``cache=None`` a decorator
+  forwards, change nothing). Grouped key/value heads are repeated to the query heads first
+  (``repeat_interleave`` on the head dim: query head h reads key head h // groups, as transformers'
+  ``repeat_kv``). Any other SDPA call in such a trace (a flash
   branch that expects flash-attn to derive the segments from ``position_ids``, a mask, keys of other
   length, a module of another config), and a graph of such a trace that computes a softmax or SDPA
   besides (an attention function other than transformers' SDPA may have ignored ``cu_seq_lens_q``;
@@ -62,10 +65,58 @@ logger = logging.getLogger(__name__)
 _SDPA_MODULE = "transformers.integrations.sdpa_attention"
 _installed: dict[str, object] = {}
 # Keyword arguments the SDPA function ignores (transformers forwards the model call's kwargs), and
-# those that change the attention unless None. Any other keyword: the call is traced as written.
+# those that change the attention unless None. Any other keyword: NOTE [attention keywords].
 _IGNORED_KWARGS = {"output_attentions", "output_hidden_states", "return_dict", "use_cache", "position_ids",
                    "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
-_NONE_KWARGS = {"softcap", "position_bias", "sliding_window", "s_aux"}
+_NONE_KWARGS = {"softcap", "position_bias", "sliding_window", "s_aux", "cache", "past_key_values"}
+# NOTE [attention keywords]
+# Towers forward their call's keyword arguments down to the attention function (LFM3-VL passes
+# ``grid_thw``, and ``cache=None`` from a deprecation decorator). transformers' SDPA function and its
+# flash path read a known set of keywords (their signatures, and the FlashAttentionKwargs they
+# document) and ignore the rest. So a keyword neither reads is ignored here too, and one they read is
+# accepted only as None where None is its default. The set is read from the installed transformers
+# when the substitutes are installed; where it cannot be read, every keyword not listed above makes
+# the call one kimi_cg does not take (traced as written, or the flash branch refused).
+_ATTENTION_FUNCTIONS = (("transformers.integrations.sdpa_attention", "sdpa_attention_forward"),
+                        ("transformers.integrations.flash_attention", "flash_attention_forward"),
+                        ("transformers.modeling_flash_attention_utils", "_flash_attention_forward"),
+                        ("transformers.modeling_flash_attention_utils", "_process_flash_attention_kwargs"))
+_attention_keywords: dict | None = None  # name -> its default (None where it has none); set by install()
+
+
+def _read_attention_keywords() -> dict | None:
+    """NOTE [attention keywords]: the keywords transformers' attention functions read, or None."""
+    import importlib
+    import inspect
+
+    keywords = {}
+    try:
+        for module_name, function_name in _ATTENTION_FUNCTIONS:
+            function = getattr(importlib.import_module(module_name), function_name)
+            for name, parameter in inspect.signature(function).parameters.items():
+                if parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL):
+                    keywords[name] = None if parameter.default is parameter.empty else parameter.default
+        documented = getattr(importlib.import_module(_ATTENTION_FUNCTIONS[2][0]), "FlashAttentionKwargs")
+        for name in getattr(documented, "__annotations__", {}):
+            keywords.setdefault(name, None)
+    except Exception as error:  # noqa: BLE001 - another transformers layout: only the lists above hold
+        logger.info("kimi_cg: transformers' attention keywords not read (%s)", error)
+        return None
+    return keywords
+
+
+def _harmless(name: str, argument) -> bool:
+    """Whether a keyword argument leaves the attention as kimi_cg computes it (NOTE [attention keywords])."""
+    if name in _IGNORED_KWARGS:
+        return True
+    if name in _NONE_KWARGS:
+        return argument is None
+    keywords = _attention_keywords
+    if keywords is None:
+        return False
+    if name not in keywords:
+        return True
+    return argument is None and keywords[name] is None
 
 
 _GENERIC_MODULE = "transformers.utils.generic"
@@ -135,7 +186,7 @@ def _plain(module, query, key, value, attention_mask, dropout, is_causal, kwargs
     if getattr(module, "num_key_value_groups", 1) != 1:
         return False
     for name, argument in kwargs.items():
-        if name not in _IGNORED_KWARGS and not (name in _NONE_KWARGS and argument is None):
+        if not _harmless(name, argument):
             return False
     # Heads and head dims are static; sequence lengths may be grid values (never compared here).
     return query.dim() == key.dim() == value.dim() == 4 and query.shape[1] == key.shape[1] == value.shape[1] and (
@@ -166,13 +217,18 @@ def _packed_attention(module, query, key, value, attention_mask, dropout, is_cau
         return _refuse_flash_path("dropout")
     if (is_causal if is_causal is not None else getattr(module, "is_causal", True)) is not False:
         return _refuse_flash_path("causal attention")
-    if getattr(module, "num_key_value_groups", 1) != 1:
-        return _refuse_flash_path("grouped key/value heads")
     for name, argument in kwargs.items():
-        if name not in _IGNORED_KWARGS and not (name in _NONE_KWARGS and argument is None):
+        if not _harmless(name, argument):
             return _refuse_flash_path(f"the option {name}")
-    if not (query.dim() == 4 and query.shape[0] == 1 and key.shape == query.shape and value.shape == query.shape):
-        return _refuse_flash_path("q, k, v not of one [1, H, L, D] shape")
+    groups = getattr(module, "num_key_value_groups", 1)
+    if not (isinstance(groups, int) and groups >= 1 and query.dim() == key.dim() == value.dim() == 4
+            and query.shape[0] == 1 and key.shape == value.shape
+            and key.shape[1] * groups == query.shape[1] and key.shape[2:] == query.shape[2:]):
+        return _refuse_flash_path("q, k, v not of one [1, H, L, D] shape (k, v: H / num_key_value_groups heads)")
+    if groups > 1:
+        # Grouped key/value heads: query head h reads key/value head h // groups, as transformers'
+        # repeat_kv lays them out for its eager and sdpa paths; the varlen op takes one head count.
+        key, value = (tensor.repeat_interleave(groups, dim=1) for tensor in (key, value))
     q, k, v = (tensor[0].transpose(0, 1) for tensor in (query, key, value))
     max_seqlen = kwargs.get("max_length_q")
     if max_seqlen is None:
@@ -222,8 +278,10 @@ def install() -> None:
 
 
 def _install_sdpa(original) -> None:
+    global _attention_keywords
     if original is None or _SDPA_MODULE in _installed:
         return
+    _attention_keywords = _read_attention_keywords()
     copy = _traceable_copy(original)
 
     @functools.wraps(original)

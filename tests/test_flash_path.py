@@ -7,6 +7,8 @@ ask for the flash branch keeps the SDPA function's own semantics."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn as nn
@@ -78,17 +80,25 @@ class SegmentAttention(nn.Module):
 
     is_causal = False
 
-    def __init__(self, style: str, vision: bool = True, dim: int = 16, heads: int = 2):
+    def __init__(self, style: str, vision: bool = True, dim: int = 16, heads: int = 2, kv_heads: int | None = None,
+                 forwarded: dict | None = None):
         super().__init__()
         self.style, self.heads, self.config = style, heads, _Config(vision)
-        self.qkv = nn.Linear(dim, 3 * dim)
+        self.kv_heads = kv_heads or heads
+        self.num_key_value_groups = heads // self.kv_heads  # transformers' name; read by its SDPA function
+        self.head_dim = dim // heads
+        self.q = nn.Linear(dim, dim)
+        self.kv = nn.Linear(dim, 2 * self.kv_heads * self.head_dim)
         self.proj = nn.Linear(dim, dim)
+        self.forwarded = forwarded or {}  # keywords a model forwards to its attention function
 
     def forward(self, x: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
         cu_seqlens = nn.functional.pad((grid[:, 0] * grid[:, 1]).cumsum(0, dtype=torch.int32), (1, 0))
         rows = x.shape[0]
-        q, k, v = self.qkv(x).reshape(rows, 3, self.heads, -1).permute(1, 2, 0, 3).unsqueeze(1).unbind(0)
-        attention = ALL_ATTENTION_FUNCTIONS["sdpa"]
+        q = self.q(x).reshape(rows, self.heads, -1).transpose(0, 1).unsqueeze(0)
+        k, v = self.kv(x).reshape(rows, 2, self.kv_heads, -1).permute(1, 2, 0, 3).unsqueeze(1).unbind(0)
+        attention = functools.partial(ALL_ATTENTION_FUNCTIONS["sdpa"], **{
+            name: grid if value == "grid" else value for name, value in self.forwarded.items()})
         if self.style == "always_cu_seq_lens":
             out = attention(self, q, k, v, None, scaling=None, is_causal=False, cu_seq_lens_q=cu_seqlens,
                             cu_seq_lens_k=cu_seqlens)[0]
@@ -105,12 +115,12 @@ class SegmentAttention(nn.Module):
         return self.proj(out.reshape(rows, -1))
 
 
-def _run(module: nn.Module, grids: list[list[list[int]]]) -> None:
+def _run(module: nn.Module, grids: list[list[list[int]]], dim: int = 16) -> None:
     torch.manual_seed(0)
     compiled = torch.compile(module, backend="kimi_cg")
     for grid in grids:
         grid_tensor = torch.tensor(grid)
-        x = torch.randn(int(grid_tensor.prod(-1).sum()), 16)
+        x = torch.randn(int(grid_tensor.prod(-1).sum()), dim)
         with torch.no_grad():
             assert_matches([compiled(x, grid_tensor)], [module(x, grid_tensor)], f"{grid}: {dict(kimi_cg.counters)}")
 
@@ -149,3 +159,30 @@ def test_only_vision_configs_take_the_flash_branch(vision):
     # the grid are dynamic from the first trace (NOTE [dynamic first trace]) and nothing here fixes N.
     assert counters["flash_path_traces"] == (counters["dynamo_graphs"] if vision else 0), counters
     assert counters["flash_path_refusals"] == 0 and counters["dynamo_graphs"] >= 1, counters
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_grouped_key_value_heads_take_the_flash_branch(kv_heads):
+    """Grouped key/value heads (LFM3-VL's tower): keys and values are repeated to the query heads on the
+    flash branch, as transformers' own paths lay them out; equal to eager, lifted, never refused."""
+    module = SegmentAttention("split", dim=32, heads=4, kv_heads=kv_heads).eval()
+    _run(module, [[[2, 3], [1, 4]], [[3, 3], [2, 2], [1, 2]]], dim=32)
+    counters = kimi_cg.counters.copy()
+    assert counters["flash_path_refusals"] == 0 and counters["flash_path_traces"] == counters["dynamo_graphs"] >= 1, counters
+    assert counters["lift_fallbacks"] == counters["call_fallbacks"] == 0, counters
+
+
+@pytest.mark.parametrize("forwarded, refused", [
+    ({"grid_thw": "grid", "cache": None}, False),  # read by neither of transformers' paths / None: ignored
+    ({"deterministic": None}, False),  # read by the flash path, None its default
+    ({"sliding_window": 2}, True),  # read by the flash path: refused, then traced on the sdpa branch
+])
+def test_forwarded_keywords_are_ignored_only_where_transformers_ignores_them(forwarded, refused):
+    """NOTE [attention keywords]: a keyword transformers' attention functions do not read (a model's
+    forwarded ``grid_thw``) leaves the flash branch as it is; one they read must be None. The sdpa branch
+    runs the transformers function as written (it ignores ``sliding_window``), equal to eager."""
+    module = SegmentAttention("split", forwarded=forwarded).eval()
+    _run(module, [[[2, 3], [1, 4]], [[3, 3], [2, 2], [1, 2]]])
+    counters = kimi_cg.counters.copy()
+    assert (counters["flash_path_refusals"] > 0) == refused, counters
+
