@@ -81,7 +81,7 @@ _ATTENTION_FUNCTIONS = (("transformers.integrations.sdpa_attention", "sdpa_atten
                         ("transformers.integrations.flash_attention", "flash_attention_forward"),
                         ("transformers.modeling_flash_attention_utils", "_flash_attention_forward"),
                         ("transformers.modeling_flash_attention_utils", "_process_flash_attention_kwargs"))
-_attention_keywords: dict | None = None  # name -> its default (None where it has none); set by install()
+_attention_keywords: dict | None = None  # name -> its default; set by install()
 
 
 def _read_attention_keywords() -> dict | None:
@@ -95,7 +95,7 @@ def _read_attention_keywords() -> dict | None:
             function = getattr(importlib.import_module(module_name), function_name)
             for name, parameter in inspect.signature(function).parameters.items():
                 if parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL):
-                    keywords[name] = None if parameter.default is parameter.empty else parameter.default
+                    keywords[name] = parameter.default  # (parameter.empty where it has none: never None)
         documented = getattr(importlib.import_module(_ATTENTION_FUNCTIONS[2][0]), "FlashAttentionKwargs")
         for name in getattr(documented, "__annotations__", {}):
             keywords.setdefault(name, None)
