@@ -13,6 +13,8 @@ reference the issue's target is relative to:
   qwen2_vl    Qwen2-VL-7B's tower, 32 x 1280
   glm4v       GLM-4.1V's tower, 24 x 1536
   qwen3_vl    Qwen3-VL-8B's tower, 27 x 1152, patches of 16 pixels, deepstack mergers after layers 8, 16, 24
+  paddleocr_vl  PaddleOCR-VL's tower, 27 x 1152 (its config's defaults), patches [1, L, 3, 14, 14] (rows on
+              dim 1), images; no merger in the tower (its projector merges)
 For each family:
 1. fuzz: ``kimi_cg.testing.assert_matches_eager`` on --fuzz-examples random batches (2x-eager-bf16 rule
    against an fp32 copy, NaN-poisoned CUDA-graph pool), then the counters of those calls;
@@ -93,6 +95,14 @@ def _config(family: str, tiny: bool):
             depth=24, hidden_size=1536, intermediate_size=13696, out_hidden_size=4096, num_heads=12)
         return Glm4vVisionModel, Glm4vVisionConfig(in_channels=3, patch_size=PATCH, spatial_merge_size=MERGE,
                                                    temporal_patch_size=2, image_size=336, **size)
+    if family == "paddleocr_vl":
+        from transformers.models.paddleocr_vl.configuration_paddleocr_vl import PaddleOCRVisionConfig
+        from transformers.models.paddleocr_vl.modeling_paddleocr_vl import PaddleOCRVisionModel
+
+        size = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4) if tiny else dict(
+            num_hidden_layers=27, hidden_size=1152, intermediate_size=4304, num_attention_heads=16)
+        return PaddleOCRVisionModel, PaddleOCRVisionConfig(num_channels=3, image_size=384, patch_size=PATCH,
+                                                           spatial_merge_size=MERGE, **size)
     raise ValueError(f"unknown family {family!r}")
 
 
@@ -107,7 +117,7 @@ def build(family: str, tiny: bool, device: str, dtype: torch.dtype):
 
 
 def row_width(family: str, config) -> int:
-    if family in ("kimi_k25", "moonvit"):
+    if family in ("kimi_k25", "moonvit", "paddleocr_vl"):
         return 3 * PATCH * PATCH
     return config.in_channels * config.temporal_patch_size * config.patch_size * config.patch_size
 
@@ -127,14 +137,18 @@ def inputs_for(family: str, config, device: str, dtype: torch.dtype):
         pixels = torch.randn(rows, width, generator=generator)
         if family == "kimi_k25":
             pixels = pixels.view(rows, 3, PATCH, PATCH)
+        if family == "paddleocr_vl":  # one batch of packed patches: rows on dim 1
+            pixels = pixels.view(1, rows, 3, PATCH, PATCH)
         return pixels.to(device=device, dtype=dtype), grid_thw.to(device)
 
     return make_inputs
 
 
 def pooled(output):
-    """The merged features transformers' towers return (pooler_output), or the tensor itself."""
-    return getattr(output, "pooler_output", output)
+    """The merged features transformers' towers return (pooler_output), their last hidden states where
+    they merge outside the tower (PaddleOCR-VL), or the tensor itself."""
+    merged = getattr(output, "pooler_output", None)
+    return merged if merged is not None else getattr(output, "last_hidden_state", output)
 
 
 def takes_mixed_frame_counts(model, make_inputs) -> bool:
