@@ -137,6 +137,8 @@ def test_position_embedding_matches_transformers(towers, grid):
 @pytest.mark.parametrize("grid", GRIDS)
 def test_temporal_merger_matches_transformers(towers, grid):
     config, _, theirs = towers
+    if not hasattr(theirs["sdpa"], "temporal_merge"):
+        pytest.skip("this transformers' Kimi-K2.5 has no temporal_merge method (before 5.24: the tower test covers it)")
     grid_thws = torch.tensor(grid)
     x = torch.randn(int(grid_thws.prod(dim=1).sum()), config.hidden_size)
     expected = theirs["sdpa"].temporal_merge(x, grid_thws, *config.merge_kernel_size)
@@ -152,7 +154,12 @@ def test_tower_matches_transformers(towers, grid, our_attention, their_attention
     pixels, grid_thws = _inputs(grid, seed=2)
     model = ours[our_attention]
     with torch.no_grad():
-        expected = theirs[their_attention](pixels, grid_thws)
+        try:
+            expected = theirs[their_attention](pixels, grid_thws)
+        except RuntimeError as error:  # transformers before 5.24 rejects a batch mixing frame counts
+            if len({t for t, _, _ in grid}) == 1:
+                raise
+            pytest.skip(f"this transformers' Kimi-K2.5 rejects a batch mixing frame counts: {str(error)[:120]}")
         hidden = model.encoder(model.patch_embed(pixels, grid_thws), grid_thws)
         merged = model(pixels, grid_thws)
     _assert_relative_close(hidden, expected.last_hidden_state)

@@ -203,7 +203,8 @@ def test_segment_attention_rewrites_an_attention_loop_over_split_pieces(fn):
     torch.testing.assert_close(only_output(run_graph(gm, x, grid)), fn(x, grid), rtol=1e-5, atol=1e-6)
     # The host checks the sizes cover the rows: a grid that does not match the rows is an error, not a wrong answer.
     if not _lengths_given(fn):
-        with pytest.raises(Exception, match="sum to|segments do not cover|Runtime assertion"):
+        # (torch 2.11 fails the graph's own reshape first: also an error.)
+        with pytest.raises(Exception, match="sum to|segments do not cover|Runtime assertion|is invalid for input of size"):
             gm(torch.randn(x.shape[0] + 2, 8), grid)
 
 
