@@ -390,8 +390,6 @@ def _unpadded(output, shape):
     the dim after a batch of one: NOTE [rows on dim 1]); the other dims already have their size."""
     if not isinstance(output, torch.Tensor) or shape is None:
         return output
-    if output.shape[1:] == shape[1:]:
-        return output[:shape[0]].clone()
     return output[tuple(slice(0, size) for size in shape)].clone()
 
 
@@ -439,12 +437,11 @@ class BucketedGraphs:
         self.rules = rules
         # Per-call loops skip the static inputs (the weights, hundreds of them): they need no copy.
         self.padded = [(i, rule) for i, rule in enumerate(rules) if rule.kind != "static"]
-        self.row_positions = [i for i, rule in self.padded if rule.kind == "rows"]
-        self._row_dims = [(i, rule.dim) for i, rule in self.padded if rule.kind == "rows"]
+        self.row_dims = [(i, rule.dim) for i, rule in self.padded if rule.kind == "rows"]  # (position, row dim)
         self.group_index_positions = [i for i, rule in self.padded if rule.kind == "row_index"]
         self.group = None  # k of NOTE [padding rules]'s row-group indices, set at the first call
         # No rows to pad, or an input no rule pads: every call runs the plain program.
-        self.never_padded = not self.row_positions or any(rule.kind == "unpadded" for rule in rules)
+        self.never_padded = not self.row_dims or any(rule.kind == "unpadded" for rule in rules)
         self.capacities = buckets
         self.max_segments = max_items + 1  # real segments plus the trailing padding segment
         self.dense_tables: set[int] = set()  # positions of boundary inputs with dense tables (NOTE [segment tables])
@@ -483,7 +480,7 @@ class BucketedGraphs:
         return self._patches(inputs)
 
     def _patches(self, inputs) -> int:
-        return max((inputs[i].shape[dim] for i, dim in self._row_dims), default=0)
+        return max((inputs[i].shape[dim] for i, dim in self.row_dims), default=0)
 
     def check_padding(self, inputs) -> str | None:
         """Why this program must not run on padded rows (NOTE [row locality]), or None; decided at the
@@ -784,20 +781,16 @@ class BucketedGraphs:
         return static
 
     def _device(self, inputs) -> torch.device:
-        return inputs[self.row_positions[0]].device
+        return inputs[self.row_dims[0][0]].device
 
     def _fill(self, bucket: _Bucket, inputs) -> None:
         capacity = bucket.capacity
         for i, rule in self.padded:
             static, value = bucket.inputs[i], inputs[i]
-            if rule.kind == "rows" and rule.dim:
+            if rule.kind == "rows":
                 rows = value.shape[rule.dim]
                 static.narrow(rule.dim, 0, rows).copy_(value, non_blocking=True)
                 static.narrow(rule.dim, rows, capacity - rows).zero_()
-            elif rule.kind == "rows":
-                rows = value.shape[0]
-                static[:rows].copy_(value, non_blocking=True)
-                static[rows:].zero_()
             elif rule.kind == "fixed":
                 static.copy_(value, non_blocking=True)
             elif rule.kind == "row_index":
