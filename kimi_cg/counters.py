@@ -9,6 +9,9 @@ Keys (missing keys read as 0):
   device_program_respecializations  symbolic runs of a device program (its row counts, its Inductor
                               compile) again at a call's sizes, which an earlier run's guards did not
                               cover (NOTE [hints of a symbolic run])
+  program_cache_hits/stores   Inductor compiles of device programs loaded from / written to the program
+                              cache (KIMI_CG_PROGRAM_CACHE; NOTE [program cache] in program_cache.py)
+  program_cache_errors        entries that did not load or could not be written (the program compiles)
   host_programs_built         host metadata programs built (one per dynamo graph)
   metadata_cache_hits/misses  per-item host metadata lookups
   batch_cache_hits            calls whose whole host pass was reused (same grid, same weights)

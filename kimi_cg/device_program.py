@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import keyword
 import logging
+import os
 import re
 import threading
 import time
@@ -55,10 +56,13 @@ def programs() -> list["DeviceProgram"]:
     return list(_PROGRAMS.values())
 
 
-def structural_hash(gm: torch.fx.GraphModule, shape_free_inputs: frozenset[int] = frozenset()) -> str:
+def structural_hash(gm: torch.fx.GraphModule, shape_free_inputs: frozenset[int] = frozenset(),
+                    constants_by_content: bool = False) -> str:
     """Hash of the program's structure; inputs in ``shape_free_inputs`` (host metadata, whose sizes
     follow the number of items) contribute dtype and rank only. Inputs count by position, not by name:
-    dynamo names a resumed piece's inputs after its own counters, which differ between traces."""
+    dynamo names a resumed piece's inputs after its own counters, which differ between traces.
+    Constants count by content, except large ones by identity (within this process) unless
+    ``constants_by_content`` (a key that outlives the process: NOTE [program cache])."""
     local = {}
     lines = []
     placeholder_index = -1
@@ -82,19 +86,19 @@ def structural_hash(gm: torch.fx.GraphModule, shape_free_inputs: frozenset[int] 
         if node.op == "placeholder":
             target = str(placeholder_index)
         elif node.op == "get_attr":  # a constant is part of the program: its values key it too
-            kind = _constant_key(gm, node.target)
+            kind = _constant_key(gm, node.target, constants_by_content)
         module = getattr(node.target, "__module__", "")
         lines.append(f"{node.op}|{module}.{target}|{args!r}|{kwargs!r}|{kind}")
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:20]
 
 
-def _constant_key(gm: torch.fx.GraphModule, target: str) -> str:
+def _constant_key(gm: torch.fx.GraphModule, target: str, by_content: bool = False) -> str:
     value = gm
     for name in target.split("."):
         value = getattr(value, name, None)
     if not isinstance(value, torch.Tensor):
         return type(value).__name__
-    if value.numel() > 1 << 20:  # a large constant: keyed by identity (correct, shares less)
+    if value.numel() > 1 << 20 and not by_content:  # a large constant: keyed by identity (correct, shares less)
         return f"{value.dtype}:{tuple(value.shape)}:id{id(value)}"
     data = value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
     return f"{value.dtype}:{tuple(value.shape)}:{hashlib.sha256(data).hexdigest()[:16]}"
@@ -150,7 +154,7 @@ class DeviceProgram:
                     counters["device_program_respecializations"] += 1
                 start = time.perf_counter()
                 try:
-                    assumptions, compiled = self._compile(inputs)
+                    assumptions, compiled = self._compile(inputs, signature)
                 except Exception as error:
                     self._compile_error = error
                     raise
@@ -161,12 +165,23 @@ class DeviceProgram:
                 self._compiled_by_shape[signature] = compiled
             return compiled
 
-    def _compile(self, inputs):
+    def _compile(self, inputs, signature):
         if self.compiler == "inductor":
             from torch._inductor.codecache import PyCodeCache
 
+            from kimi_cg import program_cache
+
             before = len(PyCodeCache.modules)
-            assumptions, compiled = _compile_with_inductor(self.gm, inputs, self.host_inputs)
+            root = program_cache.directory()  # NOTE [program cache]
+            found = store = None
+            if root is not None:
+                structure = structural_hash(self.gm, self.host_inputs, constants_by_content=True)
+                store = (root, program_cache.entry_key(structure, inputs, self.host_inputs))
+                found = program_cache.find(*store, lambda a: a.hold(self._size_positions, signature))
+            if found is not None:
+                assumptions, compiled = found
+            else:
+                assumptions, compiled = _compile_with_inductor(self.gm, inputs, self.host_inputs, store)
             self.inductor_code = _source_of(PyCodeCache.modules[before:])
             for dump in self.dumps:
                 dump.shared_file("device_programs", f"{self.key}.inductor", lambda: self.inductor_code or
@@ -290,7 +305,7 @@ def _source_of(modules) -> str | None:
     parts = []
     for module in modules:
         path = getattr(module, "__file__", None)
-        if path:
+        if path and os.path.exists(path):
             with open(path) as f:
                 parts.append(f"# {path}\n{f.read()}")
     return "\n\n".join(parts) or None
@@ -307,19 +322,58 @@ def compile_with_inductor(gm: torch.fx.GraphModule, inputs, host_inputs: frozens
     return _compile_with_inductor(gm, inputs, host_inputs)[1]
 
 
-def _compile_with_inductor(gm: torch.fx.GraphModule, inputs, host_inputs: frozenset[int] = frozenset()):
-    """compile_with_inductor, and what its compile assumed (NOTE [hints of a symbolic run])."""
+def _compile_with_inductor(gm: torch.fx.GraphModule, inputs, host_inputs: frozenset[int] = frozenset(), store=None):
+    """compile_with_inductor, and what its compile assumed (NOTE [hints of a symbolic run]); with
+    ``store`` (a program cache directory and entry key), compiled to be stored there (NOTE [program
+    cache])."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
     fake_mode, fakes = _fake_inputs(gm, inputs, host_inputs)
     symbols = _input_symbols(fakes)  # before the compile (see _output_shape_expressions)
+    if store is not None:
+        try:
+            return _compile_to_store(gm, inputs, fake_mode, fakes, symbols, *store)
+        except Exception as error:  # noqa: BLE001 - the cache is an optimisation: compile as without it
+            counters["program_cache_errors"] += 1
+            logger.warning("kimi_cg: compiling a device program for the program cache failed (%s: %s); "
+                           "compiling it without the cache", type(error).__name__, error)
+            fake_mode, fakes = _fake_inputs(gm, inputs, host_inputs)  # without the failed compile's guards
+            symbols = _input_symbols(fakes)
     no_inductor_cache = {key: False for key in ("fx_graph_cache", "fx_graph_remote_cache") if hasattr(inductor_config, key)}
     no_autograd_cache = {key: False for key in ("enable_autograd_cache",) if hasattr(functorch_config, key)}
     with fake_mode, inductor_config.patch(no_inductor_cache), functorch_config.patch(no_autograd_cache):
         compiled = compile_fx(gm, fakes)
     return ShapeAssumptions(fake_mode.shape_env, symbols), compiled
+
+
+def _compile_to_store(gm: torch.fx.GraphModule, inputs, fake_mode, fakes, symbols, root: str, key: str):
+    """Inductor's compile through ``standalone_compile``, whose result can be saved, stored as an entry
+    of the program cache (NOTE [program cache]). Its cacheability check wants every method call's
+    tensor to carry dynamo's ``example_value``; kimi_cg's own nodes do not, so a copy of the graph gets
+    them from a fake run first (the program's own graph is left as it is)."""
+    from torch._inductor import standalone_compile
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    from kimi_cg import program_cache
+
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))  # nodes' meta copied shallowly: the originals keep theirs
+    copy = torch.fx.GraphModule(gm, graph)
+    with fake_mode:
+        FakeTensorProp(copy, fake_mode).propagate_dont_convert_inputs(*fakes)
+    for node in copy.graph.nodes:
+        if "example_value" not in node.meta and "val" in node.meta:
+            node.meta["example_value"] = node.meta["val"]
+    device_index = next((value.device.index or 0 for value in inputs
+                         if isinstance(value, torch.Tensor) and value.device.type == "cuda"), 0)
+    with program_cache.private_inductor_cache(root, device_index):
+        with torch._guards.tracing(torch._guards.TracingContext(fake_mode)), fake_mode:
+            artifact = standalone_compile(copy, fakes, dynamic_shapes="from_tracing_context")
+    assumptions = ShapeAssumptions(fake_mode.shape_env, symbols)
+    program_cache.store(root, key, assumptions, artifact, device_index)
+    return assumptions, artifact
 
 
 def _input_symbols(fakes) -> dict:
@@ -358,6 +412,27 @@ class ShapeAssumptions:
         self.conditions = list(conditions.values())
         self.order = list(symbols)  # the compiled functions' argument order
         self._test = python_function(self.conditions, self.order)  # NOTE [size expressions as Python]
+
+    def to_record(self) -> dict:
+        """A JSON-able form (NOTE [program cache] in program_cache.py): sympy ``srepr`` text."""
+        from kimi_cg.program_cache import expression_to_text
+
+        return {"symbols": [[expression_to_text(symbol), position, dim] for symbol, (position, dim) in self.symbols.items()],
+                "order": [expression_to_text(symbol) for symbol in self.order],
+                "conditions": [expression_to_text(condition) for condition in self.conditions]}
+
+    @classmethod
+    def from_record(cls, record: dict) -> "ShapeAssumptions":
+        from kimi_cg.program_cache import expression_from_text
+
+        assumptions = cls.__new__(cls)
+        assumptions.symbols = {expression_from_text(text): (position, dim) for text, position, dim in record["symbols"]}
+        assumptions.order = [expression_from_text(text) for text in record["order"]]
+        assumptions.conditions = [expression_from_text(text) for text in record["conditions"]]
+        if set(assumptions.order) != set(assumptions.symbols):
+            raise ValueError("a record's symbol order does not list its symbols")
+        assumptions._test = python_function(assumptions.conditions, assumptions.order)
+        return assumptions
 
     def sizes(self, positions, signature) -> list[int] | None:
         """The call's size for each input symbol, in the compiled functions' order (None as in values)."""
