@@ -272,3 +272,50 @@ def test_concurrent_replays_from_threads_and_a_side_stream_match_eager(tower):
         assert _relative_error(got, want[index]) <= 2e-2, (grid, _relative_error(got, want[index]))
     assert kimi_cg.counters["graph_replays"] > 0
     assert kimi_cg.counters["call_fallbacks"] == 0
+
+
+# NOTE [program cache]: a second process loads the first one's Inductor compile of the device program
+# (Triton kernels, compiled with autotuning at compile time) and replays CUDA graphs of it.
+PROGRAM_CACHE_SCRIPT = """
+import json, sys, torch, kimi_cg, kimi_cg.testing
+from kimi_cg.models import MoonVitConfig, MoonVitPretrainedModel
+torch.manual_seed(0)
+model = MoonVitPretrainedModel(MoonVitConfig.tiny()).eval().cuda().bfloat16()
+compiled = torch.compile(model, backend="kimi_cg", options={"cuda_graphs": True, "device_compiler": "inductor"})
+grids = [[[8, 8]], [[4, 6], [10, 4]], [[6, 6], [2, 2], [4, 8]], [[16, 12], [2, 6]]]
+
+def make_inputs(grid):
+    grid = torch.tensor(grid)
+    rows = int(grid.prod(-1).sum())
+    pixels = torch.randn(rows, 3, 14, 14, generator=torch.Generator().manual_seed(rows))
+    return pixels.cuda().bfloat16(), grid
+
+kimi_cg.testing.assert_matches_eager(model, compiled, make_inputs, grids)  # bf16 rule against fp32
+with torch.no_grad():
+    outputs = [t.float().cpu() for grid in grids for t in compiled(*make_inputs(grid))]
+torch.save(outputs, sys.argv[1] + ".pt")
+with open(sys.argv[1] + ".json", "w") as f:
+    json.dump(dict(kimi_cg.counters), f)
+"""
+
+
+def test_a_second_process_replays_the_program_the_first_stored(tmp_path):
+    import subprocess
+    import sys
+
+    environment = dict(os.environ, KIMI_CG_PROGRAM_CACHE=str(tmp_path / "programs"))
+    reports, outputs = [], []
+    for name in ("first", "second"):
+        out = str(tmp_path / name)
+        result = subprocess.run([sys.executable, "-c", PROGRAM_CACHE_SCRIPT, out], capture_output=True, text=True,
+                                timeout=600, env=environment)
+        assert result.returncode == 0, result.stderr[-3000:]
+        with open(out + ".json") as f:
+            reports.append(json.load(f))
+        outputs.append(torch.load(out + ".pt"))
+    first, second = reports
+    assert first.get("program_cache_stores") == 1 and second.get("program_cache_hits") == 1, reports
+    assert all(r.get("program_cache_errors", 0) == 0 and r.get("call_fallbacks", 0) == 0 for r in reports), reports
+    assert second.get("graph_replays", 0) >= 4, second
+    assert all(torch.equal(a, b) and not torch.isnan(a).any() for a, b in zip(*outputs))
+    SUMMARY["program_cache"] = {"first": first, "second": second}
