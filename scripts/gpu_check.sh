@@ -24,7 +24,7 @@ want() { [ "$part" = all ] || [ "$part" = "$1" ]; }
 core=
 want gpu && (CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=4 python3 -P -m pytest -q -p no:cacheprovider --durations=5 \
   tests/test_backend.py tests/test_runtime.py tests/test_models.py tests/test_resize.py tests/test_dynamo_settings.py \
-  tests/test_soundness.py tests/test_diagnostics.py tests/test_seed_style.py tests/test_flash_path.py > "$OUT/core_tests.txt" 2>&1) &
+  tests/test_soundness.py tests/test_diagnostics.py tests/test_seed_style.py tests/test_flash_path.py tests/test_program_cache.py > "$OUT/core_tests.txt" 2>&1) &
 want gpu && core=$!
 # Foreign towers (this machine's transformers) and the program fuzzer, in a second CPU process.
 foreign=
