@@ -59,9 +59,15 @@ _LOCK = threading.Lock()  # the Inductor cache directory is process-wide: one co
 
 
 def directory() -> str | None:
-    """The cache directory from the environment, or None when the cache is off."""
+    """The cache directory from the environment, or None when the cache is off. Off as well under
+    Inductor's ``freezing``, which may fold the weights (inputs of a device program, not part of the
+    key) into the compiled code."""
     value = os.environ.get(ENVIRONMENT_VARIABLE, "").strip()
-    return value or None
+    if not value:
+        return None
+    import torch._inductor.config as inductor_config
+
+    return None if getattr(inductor_config, "freezing", False) else value
 
 
 def entry_key(structure: str, inputs, host_inputs: frozenset[int]) -> str:

@@ -146,6 +146,15 @@ def test_the_cache_is_off_without_the_environment_variable(tmp_path, monkeypatch
     assert not any(k.startswith("program_cache") for k in kimi_cg.counters), dict(kimi_cg.counters)
 
 
+def test_the_cache_is_off_where_inductor_may_fold_weights_into_the_program(monkeypatch):
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setenv(program_cache.ENVIRONMENT_VARIABLE, "/nonexistent/programs")
+    assert program_cache.directory() == "/nonexistent/programs"
+    with inductor_config.patch(freezing=True):
+        assert program_cache.directory() is None
+
+
 def test_size_assumptions_read_back_identical():
     """Guards with torch's size functions (FloorDiv, Mod) and replacements survive srepr text."""
     from torch._subclasses.fake_tensor import FakeTensorMode
