@@ -212,3 +212,17 @@ def test_large_constants_key_the_stored_program_by_content():
     assert structural_hash(program(big), constants_by_content=True) != structural_hash(program(other), constants_by_content=True)
     assert structural_hash(program(big), constants_by_content=True) == structural_hash(program(big.clone()),
                                                                                        constants_by_content=True)
+
+
+def test_warmup_bench_runs_cold_then_warm_on_cpu(tmp_path):
+    out = tmp_path / "warmup.json"
+    result = subprocess.run([sys.executable, "-P", "scripts/warmup_bench.py", "--family", "moonvit", "--smoke-test-on-cpu",
+                             "--max-items", "2", "--cache-dir", str(tmp_path / "programs"), "--out", str(out)],
+                            capture_output=True, text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    cold, warm = report["processes"]
+    assert cold["counters"].get("program_cache_stores") == 1 and warm["counters"].get("program_cache_hits") == 1
+    assert warm["counters"].get("device_programs_compiled") == 1  # built from the graph, its compile loaded
+    for run in (cold, warm):
+        assert run["warm_up"]["calls"] == 3 and run["counters"].get("call_fallbacks", 0) == 0
