@@ -351,7 +351,7 @@ def _compile_with_inductor(gm: torch.fx.GraphModule, inputs, host_inputs: frozen
 def _compile_to_store(gm: torch.fx.GraphModule, inputs, fake_mode, fakes, symbols, root: str, key: str):
     """Inductor's compile through ``standalone_compile``, whose result can be saved, stored as an entry
     of the program cache (NOTE [program cache]). Its cacheability check wants every method call's
-    tensor to carry dynamo's ``example_value``; kimi_cg's own nodes do not, so a copy of the graph gets
+    tensor to hold dynamo's ``example_value``; kimi_cg's own nodes do not, so a copy of the graph gets
     them from a fake run first (the program's own graph is left as it is)."""
     from torch._inductor import standalone_compile
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
