@@ -10,7 +10,8 @@ was ready, the split (kimi_cg's backend, device compile, capture, the rest: dyna
 program cache counters.
 
     python -P scripts/warmup_bench.py --family moonvit --processes 2 --out warmup.json        # H200, real size
-    python -P scripts/warmup_bench.py --family moonvit --smoke-test-on-cpu --out /tmp/w.json  # CPU, tiny tower
+    python -P scripts/warmup_bench.py --family moonvit --cpu --max-items 2 --out w.json      # CPU, real size, fp32
+    python -P scripts/warmup_bench.py --family moonvit --smoke-test-on-cpu --out w.json      # CPU, tiny tower
 
 Families are family_bench.py's (moonvit, kimi_k25, qwen2_5_vl, qwen2_vl, glm4v, qwen3_vl, paddleocr_vl).
 """
@@ -37,13 +38,14 @@ def child(args) -> dict:
     import family_bench
     import kimi_cg
 
-    device = "cpu" if args.smoke_test_on_cpu else "cuda"
-    dtype = torch.float32 if args.smoke_test_on_cpu else torch.bfloat16
+    on_cpu = args.smoke_test_on_cpu or args.cpu
+    device = "cpu" if on_cpu else "cuda"
+    dtype = torch.float32 if on_cpu else torch.bfloat16
     started = time.perf_counter()
     model, config = family_bench.build(args.family, args.smoke_test_on_cpu, device, dtype)
     make_inputs = family_bench.inputs_for(args.family, config, device, dtype)
     built_s = time.perf_counter() - started
-    options = {"device_compiler": "inductor"} if args.smoke_test_on_cpu else {}
+    options = {"device_compiler": "inductor"} if on_cpu else {}  # on CPU "auto" would run the FX graph
     compiled = torch.compile(model, backend="kimi_cg", options=options)
     pixels, grid = make_inputs([ITEM])
     result = kimi_cg.warm_up(compiled, pixels, grid, max_items=args.max_items)
@@ -59,6 +61,7 @@ def main() -> None:
     parser.add_argument("--max-items", type=int, default=8)
     parser.add_argument("--cache-dir", default=None, help="program cache directory (default: a new temporary one)")
     parser.add_argument("--smoke-test-on-cpu", action="store_true", help="tiny tower on CPU, Inductor device programs")
+    parser.add_argument("--cpu", action="store_true", help="real-size tower on CPU (fp32), Inductor device programs")
     parser.add_argument("--commit", default=None, help="recorded in the report")
     parser.add_argument("--out", required=True)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -73,8 +76,7 @@ def main() -> None:
               "commit": args.commit, "processes": []}
     command = [sys.executable, "-P", os.path.abspath(__file__), "--child", "--family", args.family,
                "--max-items", str(args.max_items), "--out", args.out]
-    if args.smoke_test_on_cpu:
-        command.append("--smoke-test-on-cpu")
+    command += ["--smoke-test-on-cpu"] * args.smoke_test_on_cpu + ["--cpu"] * args.cpu
     environment = dict(os.environ, KIMI_CG_PROGRAM_CACHE=cache_dir)
     for index in range(args.processes):
         started = time.perf_counter()
