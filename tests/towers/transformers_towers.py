@@ -340,6 +340,72 @@ def build_pixtral(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
     return Tower(f"pixtral[{attn_implementation}]", model, make_inputs, tensors_of)
 
 
+def build_llava_onevision1_5(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
+    """transformers' LLaVA-OneVision-1.5 vision tower (RICE-ViT): one patch per row, images; one CLS row is
+    inserted before every frame (a split and a ``cat`` with the class embedding) and dropped after the
+    layers."""
+    config_class, model_class = _load("llava_onevision1_5", "LlavaOnevision15VisionConfig", "LlavaOnevision15VisionModel")
+    config = config_class(depth=LAYERS, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_heads=HEADS, in_channels=3,
+                          patch_size=PATCH, spatial_merge_size=MERGE, out_hidden_size=OUT_HIDDEN)
+    model = _build(model_class, config, attn_implementation, seed)
+    return Tower(f"llava_onevision1_5[{attn_implementation}]", model, _qwen_style_inputs(3, seed, temporal_patch=1),
+                 tensors_of)
+
+
+def build_minicpmv4_6(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
+    """transformers' MiniCPM-V 4.6 vision tower (SigLIP-NaViT): every patch of every image packed along the
+    width of one image, pixel_values [1, 3, p, L * p], and target_sizes [N, 2] (h, w in patches, int32);
+    a window merge inside the tower (``insert_layer_id``). Grid rows are [1, h, w]."""
+    config_class, model_class = _load("minicpmv4_6", "MiniCPMV4_6VisionConfig", "MiniCPMV4_6VisionModel")
+    config = config_class(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
+                          num_attention_heads=HEADS, num_channels=3, image_size=8 * PATCH, patch_size=PATCH,
+                          insert_layer_id=0, window_kernel_size=(2, 2))
+    model = _build(model_class, config, attn_implementation, seed)
+
+    def make_inputs(grid: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        grid_thw = _grid_tensor(grid)
+        if bool((grid_thw[:, 0] != 1).any()):
+            raise ValueError(f"MiniCPM-V takes images only (t == 1); got {grid}")
+        rows = int(grid_thw.prod(dim=-1).sum())
+        generator = torch.Generator().manual_seed(seed + rows)
+        pixels = torch.randn(1, 3, PATCH, rows * PATCH, generator=generator)
+        return pixels, grid_thw[:, 1:].to(torch.int32)
+
+    return Tower(f"minicpmv4_6[{attn_implementation}]", model, make_inputs, tensors_of)
+
+
+def build_hy_v4_vl(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
+    """transformers' HY-V4-VL vision tower: one patch per row, images; its merger reshapes each image to
+    [h, w] for a convolution and a newline column, item by item."""
+    config_class, model_class = _load("hy_v4_vl", "HYV4VLVisionConfig", "HYV4VLVisionModel")
+    config = config_class(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
+                          num_attention_heads=HEADS, num_channels=3, out_hidden_size=OUT_HIDDEN, patch_size=PATCH,
+                          spatial_merge_size=MERGE, max_image_size=8 * PATCH)
+    model = _build(model_class, config, attn_implementation, seed)
+    return Tower(f"hy_v4_vl[{attn_implementation}]", model, _qwen_style_inputs(3, seed, temporal_patch=1), tensors_of)
+
+
+def build_lfm3_vl(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
+    """transformers' LFM3-VL vision tower: Qwen-style rows, grouped key/value heads (4 over 2), a
+    convolution layer that reshapes each frame to its [h, w] grid, then a full-attention layer."""
+    config_class, model_class = _load("lfm3_vl", "Lfm3VlVisionConfig", "Lfm3VlVisionModel")
+    config = config_class(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, in_channels=3, patch_size=PATCH,
+                          spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL_PATCH, num_hidden_layers=LAYERS,
+                          num_attention_heads=HEADS, num_key_value_heads=2, layer_types=["conv", "full_attention"])
+    model = _build(model_class, config, attn_implementation, seed)
+    return Tower(f"lfm3_vl[{attn_implementation}]", model, _qwen_style_inputs(3, seed), tensors_of)
+
+
+# Towers probed for correctness only (tests/test_foreign_towers.py, test_probed_towers_match_eager): equal to
+# eager, not (fully) graphed; the README says why for each.
+PROBED_FACTORIES = {
+    "llava_onevision1_5": build_llava_onevision1_5,
+    "minicpmv4_6": build_minicpmv4_6,
+    "hy_v4_vl": build_hy_v4_vl,
+    "lfm3_vl": build_lfm3_vl,
+}
+
+
 FACTORIES = {
     "kimi_k25": build_kimi_k25,
     "qwen2_vl": build_qwen2_vl,
