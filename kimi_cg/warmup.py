@@ -31,28 +31,37 @@ def warm_up(model, pixel_values: torch.Tensor, grid: torch.Tensor, max_items: in
     start), "captures" (the process-wide counter)} after each call.
 
     ``grid`` is the tower's grid tensor ([N, 2] (h, w) or [N, 3] (t, h, w)); the item's pixel rows
-    are the first prod(grid[0]) rows of ``pixel_values``.
+    are the first prod(grid[0]) rows of ``pixel_values``: along dim 0, or along dim 1 for a tower that
+    keeps a batch of one in front of its rows (``[1, L, ...]``, PaddleOCR-VL: NOTE [rows on dim 1] in
+    kimi_cg/capture.py).
     """
     if not isinstance(grid, torch.Tensor) or grid.dim() != 2 or grid.shape[0] < 1:
         raise ValueError(f"warm_up needs a grid tensor of shape [N >= 1, 2 or 3]; got {getattr(grid, 'shape', grid)!r}")
     if not isinstance(max_items, int) or max_items < 1:
         raise ValueError(f"max_items must be a positive int; got {max_items!r}")
     rows = int(grid[0].prod())
-    if pixel_values.shape[0] < rows:
-        raise ValueError(f"pixel_values has {pixel_values.shape[0]} rows; the first item needs {rows}")
-    item_pixels, item_grid = pixel_values[:rows], grid[:1]
+    dim = 0
+    if pixel_values.shape[0] < rows and pixel_values.dim() >= 3 and pixel_values.shape[0] == 1:
+        dim = 1  # [1, L, ...]
+    if pixel_values.shape[dim] < rows:
+        raise ValueError(f"pixel_values has {pixel_values.shape[dim]} rows; the first item needs {rows}")
+    item_pixels, item_grid = pixel_values.narrow(dim, 0, rows), grid[:1]
     taller_grid = item_grid.clone()
     taller_grid[0, -2] *= 2  # (h, w) -> (2h, w): twice the rows, still even for the patch merger
     # (items, one item's grid row, copies of the item's pixel rows)
     batches = [(1, item_grid, 1), (2, item_grid, 2), (1, taller_grid, 2), *((n, item_grid, n) for n in range(3, max_items + 1))]
     if max_items == 1:
         batches = batches[:1]
-    repeat = [1] * (item_pixels.dim() - 1)
+    def copies_of_item(copies: int) -> torch.Tensor:
+        repeat = [1] * item_pixels.dim()
+        repeat[dim] = copies
+        return item_pixels.repeat(*repeat)
+
     before, start, timed = counters["dynamo_graphs"], time.perf_counter(), dict(timings)
     per_call = []
     with torch.no_grad():
         for count, one_grid, copies in batches:
-            model(item_pixels.repeat(copies, *repeat), one_grid.repeat(count, 1))
+            model(copies_of_item(copies), one_grid.repeat(count, 1))
             if item_pixels.is_cuda:
                 torch.cuda.synchronize(item_pixels.device)
             per_call.append({"items": count, "seconds": time.perf_counter() - start, "captures": counters["captures"]})

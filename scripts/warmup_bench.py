@@ -69,8 +69,6 @@ def main() -> None:
     if args.child:
         json.dump(child(args), sys.stdout)
         return
-    if args.family == "paddleocr_vl":
-        sys.exit("paddleocr_vl keeps its rows on dim 1, which kimi_cg.warm_up does not take; use family_bench.py")
     cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="kimi_cg_programs_")
     report = {"family": args.family, "max_items": args.max_items, "item": ITEM, "program_cache": cache_dir,
               "commit": args.commit, "processes": []}

@@ -90,3 +90,26 @@ def test_row_dim_is_the_first_symbolic_dim_after_literal_ones(shape, expected):
         value = torch.empty(sizes)
     assert row_dim(value) == expected
     assert row_dim(None) == 0
+
+
+def test_warm_up_takes_rows_on_dim_1():
+    """kimi_cg.warm_up copies the first item's rows where the tower keeps them: PaddleOCR-VL's patches are
+    [1, L, 3, p, p] (NOTE [rows on dim 1]); after the warm-up no call of 1-3 items compiles."""
+    from towers import TowerUnavailable
+    from towers.transformers_towers import build_paddleocr_vl
+
+    try:
+        tower = build_paddleocr_vl("sdpa", seed=0)
+    except TowerUnavailable as reason:
+        pytest.skip(str(reason))
+    compiled = torch.compile(tower.model, backend="kimi_cg", options={"cuda_graphs": True, "token_budgets": [32, 64, 128]})
+    pixels, grid = tower.make_inputs([[1, 4, 6]])
+    report = kimi_cg.warm_up(compiled, pixels, grid, max_items=3)
+    assert [call["items"] for call in report["per_call"]] == [1, 2, 1, 3]
+    traced = kimi_cg.counters["dynamo_graphs"]
+    for grid in ([[1, 2, 6], [1, 4, 4]], [[1, 8, 2]], [[1, 2, 2], [1, 4, 2], [1, 2, 4]]):
+        args = tower.make_inputs(grid)
+        with torch.no_grad():
+            for g, w in zip(tower.extract_outputs(compiled(*args)), tower.extract_outputs(tower.model(*args))):
+                assert g.shape == w.shape and float((g - w).abs().max() / w.abs().max()) <= 1e-5, grid
+    assert kimi_cg.counters["dynamo_graphs"] == traced, dict(kimi_cg.counters)
