@@ -40,6 +40,12 @@ GLM-4V: ``t*h*w / m**2``) or ``merge_kernel_size`` (Kimi-K2.5: ``h*w / (kh*kw)``
 not given. A tower that returns a model output object (transformers' towers return
 ``BaseModelOutputWithPooling``) names the field to gather: ``data_parallel(tower, output="pooler_output")``
 (or a callable picking it); the other fields are not gathered.
+
+Rows on dim 1: a tower that keeps a batch of one in front of its rows (PaddleOCR-VL's patches
+``[1, L, 3, p, p]``, NOTE [rows on dim 1] in kimi_cg/capture.py) gets each share's rows cut and packed
+along dim 1, and a packed output of the same form (``[1, L', D]``) is split and gathered along dim 1.
+Which dim holds the input's rows follows from the request alone (dim 0 when its size is the items' rows),
+so every rank reads it the same way; the output's is sent with the output kind in step 3.
 """
 
 from __future__ import annotations
@@ -65,7 +71,7 @@ _SUMMARY_FIELDS = 3  # status, fingerprint, output kind
 _ITEM_FIELDS = 2 + MAX_DIMS  # dtype, ndim, dims
 _OK, _FAILED = 0, 1
 _ALIGN = 16  # bytes: each item's slot in the gathered buffer starts at a multiple
-_LIST, _TUPLE, _PACKED = 0, 1, 2
+_LIST, _TUPLE, _PACKED, _PACKED_ON_DIM_1 = 0, 1, 2, 3
 
 
 class DataParallelError(KimiCGError):
@@ -173,8 +179,8 @@ class DataParallelTower:
         try:
             grid_rows = _grid_rows(grid)  # one host read of the grid: plan, fingerprint and item rows
             fingerprint = _fingerprint(pixel_values, grid_rows)
-            rows, plan = self._plan(pixel_values, grid_rows)
-            local = self._run_share(pixel_values, grid, grid_rows, rows, plan.shares[self.rank], args, kwargs)
+            rows, plan, rows_dim = self._plan(pixel_values, grid_rows)
+            local = self._run_share(pixel_values, grid, grid_rows, rows, rows_dim, plan.shares[self.rank], args, kwargs)
             shapes = self._shapes(plan, local)
         except Exception as error:  # agreed on below: every rank raises, none hangs
             cause = error
@@ -188,12 +194,14 @@ class DataParallelTower:
         if not grid_rows:
             raise ValueError("the request has no items (grid has 0 rows)")
         rows = [int(self.pixel_rows(row)) for row in grid_rows]
-        if sum(rows) != pixel_values.shape[0]:
-            raise ValueError(f"pixel_values has {pixel_values.shape[0]} rows but the grid's items have "
-                             f"{sum(rows)} (one row per patch: the product of each grid row)")
-        return rows, plan_items([self.cost(row) for row in grid_rows], self.world_size)
+        rows_dim = _rows_dim(pixel_values, sum(rows))
+        if rows_dim is None:
+            raise ValueError(f"pixel_values {tuple(pixel_values.shape)} has {pixel_values.shape[0]} rows but the grid's "
+                             f"items have {sum(rows)} (one row per patch: the product of each grid row; rows on dim 0, "
+                             "or on dim 1 after a batch of one)")
+        return rows, plan_items([self.cost(row) for row in grid_rows], self.world_size), rows_dim
 
-    def _run_share(self, pixel_values, grid, grid_rows, rows, share, args, kwargs):
+    def _run_share(self, pixel_values, grid, grid_rows, rows, rows_dim, share, args, kwargs):
         """The tower on this rank's items; returns (per-item tensors, output kind)."""
         if not share:
             return [], None
@@ -203,7 +211,7 @@ class DataParallelTower:
         if list(share) == list(range(len(rows))):
             pixels, sub_grid = pixel_values, grid
         else:
-            pixels = torch.cat([pixel_values[starts[i]:starts[i + 1]] for i in share])
+            pixels = torch.cat([pixel_values.narrow(rows_dim, starts[i], rows[i]) for i in share], dim=rows_dim)
             sub_grid = grid[list(share)]
         output = self._select(self.tower(pixels, sub_grid, *args, **kwargs))
         if isinstance(output, (list, tuple)):
@@ -213,11 +221,13 @@ class DataParallelTower:
             return list(output), _TUPLE if isinstance(output, tuple) else _LIST
         if isinstance(output, torch.Tensor):
             counts = [self._item_rows(grid_rows[i]) for i in share]
-            if sum(counts) != output.shape[0]:
-                raise ValueError(f"the tower's packed output has {output.shape[0]} rows but item_rows gives "
-                                 f"{sum(counts)} for the items {[grid_rows[i] for i in share]}: pass item_rows= "
-                                 "that matches the tower")
-            return list(torch.split(output, counts)), _PACKED
+            # A [1, L', ...] output of a tower whose input rows are on dim 1 is packed on dim 1 as well.
+            output_dim = 1 if rows_dim == 1 and output.dim() >= 2 and output.shape[0] == 1 else 0
+            if sum(counts) != output.shape[output_dim]:
+                raise ValueError(f"the tower's packed output {tuple(output.shape)} has {output.shape[output_dim]} rows on "
+                                 f"dim {output_dim} but item_rows gives {sum(counts)} for the items "
+                                 f"{[grid_rows[i] for i in share]}: pass item_rows= that matches the tower")
+            return list(torch.split(output, counts, dim=output_dim)), _PACKED_ON_DIM_1 if output_dim else _PACKED
         raise TypeError(f"the tower returned {type(output).__name__}; data_parallel gathers one tensor per item or "
                         "one packed tensor: name the field to gather, e.g. data_parallel(tower, output='pooler_output')")
 
@@ -323,8 +333,8 @@ class DataParallelTower:
             for item, shape, dtype, size in zip(share, shapes[rank], dtypes[rank], nbytes[rank]):
                 outputs[item] = received[offset:offset + size].view(dtype).view(shape)
                 offset += _aligned(size)
-        if kind == _PACKED:
-            return torch.cat(outputs)
+        if kind in (_PACKED, _PACKED_ON_DIM_1):
+            return torch.cat(outputs, dim=1 if kind == _PACKED_ON_DIM_1 else 0)
         return tuple(outputs) if kind == _TUPLE else outputs
 
     def _output_device(self) -> torch.device:
@@ -332,6 +342,16 @@ class DataParallelTower:
         if dist.get_backend(self.group) == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+
+def _rows_dim(pixel_values: torch.Tensor, rows: int) -> int | None:
+    """Where the request's pixel rows are: dim 0 when its size is the items' rows, else dim 1 of a
+    [1, L, ...] tensor of three dims or more (NOTE [rows on dim 1]); None when neither holds."""
+    if pixel_values.dim() >= 1 and pixel_values.shape[0] == rows:
+        return 0
+    if pixel_values.dim() >= 3 and pixel_values.shape[0] == 1 and pixel_values.shape[1] == rows:
+        return 1
+    return None
 
 
 def _aligned(size: int) -> int:

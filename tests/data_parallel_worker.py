@@ -7,7 +7,7 @@ Each rank builds the same tiny towers (seeded weights), compiles them with kimi_
 ``kimi_cg.data_parallel`` over gloo and runs the same requests: random mixes, fewer items than ranks,
 one large item over the largest bucket, video chunks, a packed-output tower, an invalid item that only
 one rank gets, ranks handed different requests, and transformers' Qwen2-VL and Kimi-K2.5 towers as
-shipped (their packed pooler_output). Each output is compared with eager on the whole
+shipped (their packed pooler_output), and PaddleOCR-VL's rows on dim 1. Each output is compared with eager on the whole
 request in this process (fp32: 1e-5 relative per item; bf16: kimi_cg.testing's rule, at most 2x
 eager bf16's error against an fp32 copy of the tower, plus a rounding floor); the outputs are saved for the parent test to
 check that every rank returned the same bytes. Any failure exits non-zero with the traceback.
@@ -28,7 +28,7 @@ from kimi_cg.distributed import DataParallelError
 from kimi_cg.testing import compare
 from kimi_cg.models import MoonViT3dConfig, MoonViT3dPretrainedModel, MoonVitConfig, MoonVitPretrainedModel
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also under python -P / PYTHONSAFEPATH
-from towers.transformers_towers import build_kimi_k25, build_qwen2_vl  # noqa: E402  tests/towers (this script's folder)
+from towers.transformers_towers import build_kimi_k25, build_paddleocr_vl, build_qwen2_vl  # noqa: E402  tests/towers (this script's folder)
 
 # The bucketed, padded path on CPU (no capture); an item of 16x16 patches is over the largest bucket.
 OPTIONS = {"cuda_graphs": True, "token_budgets": [64, 128], "buckets_per_doubling": 1}
@@ -173,6 +173,30 @@ def main(rank: int, world_size: int, init_file: str | None, out_dir: str) -> Non
         if item_error(got, want, reference) > 1:
             raise AssertionError(f"transformers {name} {grid}: error {item_error(got, want, reference):.3g}x the rule")
         results[f"transformers_{name}"] = {"grid": grid, "outputs": [got.cpu()], "plan": encode_transformers.last_plan.shares}
+
+    # Rows on dim 1 (NOTE [rows on dim 1]): PaddleOCR-VL's patches [1, L, 3, p, p] and its packed
+    # last_hidden_state [1, L, D] (one row per patch: the merge is in the projector), compiled, padded.
+    tower = build_paddleocr_vl()
+    model = tower.model.to(DEVICE, DTYPE)
+    reference_model = build_paddleocr_vl().model.to(DEVICE) if DTYPE != torch.float32 else model
+    grid = [[1, 4, 4], [1, 2, 6], [1, 6, 2]]
+    pixels, grid_tensor = tower.make_inputs(grid)
+    pixels, grid_tensor = pixels.to(DEVICE, DTYPE), grid_tensor.to(DEVICE)
+    compiled = torch.compile(model, backend="kimi_cg", options=OPTIONS)
+    encode_rows_on_dim_1 = kimi_cg.data_parallel(compiled, output="last_hidden_state", item_rows=math.prod)
+    got = encode_rows_on_dim_1(pixels, grid_tensor)
+    want = model(pixels, grid_tensor).last_hidden_state
+    reference = reference_model(pixels.float(), grid_tensor).last_hidden_state
+    if item_error(got, want, reference) > 1:
+        raise AssertionError(f"paddleocr_vl {grid}: error {item_error(got, want, reference):.3g}x the rule")
+    results["rows_on_dim_1"] = {"grid": grid, "outputs": [got.cpu()], "plan": encode_rows_on_dim_1.last_plan.shares}
+    # A tower whose packed output keeps the batch of one as well ([1, L, D]): gathered on dim 1.
+    batched = lambda pixels, grid: compiled(pixels, grid).last_hidden_state.unsqueeze(0)  # noqa: E731
+    encode_batched = kimi_cg.data_parallel(batched, item_rows=math.prod)
+    got = encode_batched(pixels, grid_tensor)
+    if item_error(got, want.unsqueeze(0), reference.unsqueeze(0)) > 1:
+        raise AssertionError(f"paddleocr_vl {grid}, output [1, L, D]: error beyond the rule")
+    results["packed_on_dim_1"] = {"grid": grid, "outputs": [got.cpu()], "plan": encode_batched.last_plan.shares}
 
     torch.save(results, os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
     print(f"rank {dist.get_rank()}: {len(results)} cases passed on {DEVICE} in {DTYPE}", flush=True)

@@ -81,7 +81,8 @@ def check_rank_results(folder: Path) -> None:
         assert first["plan"] == second["plan"], name
         for a, b in zip(first["outputs"], second["outputs"], strict=True):
             assert torch.equal(a, b), f"{name}: the ranks returned different bytes"
-    assert {"video_chunks", "packed_output", "transformers_qwen2_vl", "transformers_kimi_k25"} <= results[0].keys()
+    assert {"video_chunks", "packed_output", "transformers_qwen2_vl", "transformers_kimi_k25", "rows_on_dim_1", "packed_on_dim_1"} <= results[0].keys()
+    assert all(results[0]["rows_on_dim_1"]["plan"]), "each rank took part of the request"
     assert results[0]["fewer_items_than_ranks"]["plan"] in (((0,), ()), ((), (0,)))
     # The invalid item (index 2, [3, 4]) went to one rank only; that rank's error is reported everywhere.
     failing = results[0]["rank_local_invalid_item"]["errors"]
