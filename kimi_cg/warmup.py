@@ -24,7 +24,8 @@ from kimi_cg.counters import counters, timings
 def warm_up(model, pixel_values: torch.Tensor, grid: torch.Tensor, max_items: int = 8) -> dict:
     """Run ``model`` (compiled with backend="kimi_cg") on 1..max_items copies of the first item of
     (pixel_values, grid); returns what it cost: {"seconds", "calls", "dynamo_graphs", "breakdown_s",
-    "buckets_ready_s", "per_call"}. breakdown_s splits the seconds into kimi_cg's backend, device
+    "buckets_ready_s", "per_call", "programs_loaded", "programs_stored"} (the last two: device programs
+    taken from / written to the program cache, NOTE [program cache] in kimi_cg/program_cache.py). breakdown_s splits the seconds into kimi_cg's backend, device
     compile, capture and the rest (dynamo's tracing and the runs themselves; see ``kimi_cg.timings``);
     buckets_ready_s is the time from the first call until every bucket graph was captured (the
     later calls only trace further item counts); per_call lists {"items", "seconds" (since the
@@ -58,6 +59,7 @@ def warm_up(model, pixel_values: torch.Tensor, grid: torch.Tensor, max_items: in
         return item_pixels.repeat(*repeat)
 
     before, start, timed = counters["dynamo_graphs"], time.perf_counter(), dict(timings)
+    loaded, stored = counters["program_cache_hits"], counters["program_cache_stores"]
     per_call = []
     with torch.no_grad():
         for count, one_grid, copies in batches:
@@ -72,4 +74,6 @@ def warm_up(model, pixel_values: torch.Tensor, grid: torch.Tensor, max_items: in
     breakdown = {key: timings[key] - timed.get(key, 0.0) for key in ("backend", "device_compile", "capture")}
     breakdown["dynamo_and_runs"] = seconds - sum(breakdown.values())
     return {"seconds": seconds, "calls": len(batches), "dynamo_graphs": counters["dynamo_graphs"] - before,
-            "breakdown_s": breakdown, "buckets_ready_s": buckets_ready, "per_call": per_call}
+            "breakdown_s": breakdown, "buckets_ready_s": buckets_ready, "per_call": per_call,
+            "programs_loaded": counters["program_cache_hits"] - loaded,
+            "programs_stored": counters["program_cache_stores"] - stored}

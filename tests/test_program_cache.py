@@ -224,5 +224,6 @@ def test_warmup_bench_runs_cold_then_warm_on_cpu(tmp_path):
     cold, warm = report["processes"]
     assert cold["counters"].get("program_cache_stores") == 1 and warm["counters"].get("program_cache_hits") == 1
     assert warm["counters"].get("device_programs_compiled") == 1  # built from the graph, its compile loaded
+    assert (cold["warm_up"]["programs_stored"], warm["warm_up"]["programs_loaded"]) == (1, 1)
     for run in (cold, warm):
         assert run["warm_up"]["calls"] == 3 and run["counters"].get("call_fallbacks", 0) == 0
