@@ -15,8 +15,8 @@ back identical. A call takes an entry only where those assumptions hold at its s
 a compile of its own process; otherwise it compiles and adds an entry.
 
 The key is everything that must be equal for a stored program to be this call's: the program's
-structure with every constant by content, each input's dtype, device type, rank, fixed sizes and
-stride order, kimi_cg's own source, the torch, Triton and Python versions, the accelerator (name and
+structure with every constant by content, each input's dtype, device (with its index), rank, fixed
+sizes and stride order, kimi_cg's own source, the torch, Triton and Python versions, the accelerator (name and
 compute capability) and Inductor's and AOT autograd's configuration. An entry that does not load (a
 torch build of another source, a truncated file) is counted (``program_cache_errors``) and passed
 over: the program compiles, as without the cache.
@@ -84,7 +84,8 @@ def _describe_input(value) -> str:
     if not isinstance(value, torch.Tensor):
         return type(value).__name__
     order = sorted(range(value.dim()), key=lambda d: (-value.stride(d), d))
-    text = f"{value.dtype} {value.device.type} rank {value.dim()} order {order} contiguous {value.is_contiguous()}"
+    # The device with its index: Inductor's code names the device it was compiled for (its guards, streams).
+    text = f"{value.dtype} {value.device} rank {value.dim()} order {order} contiguous {value.is_contiguous()}"
     if isinstance(value, torch.nn.Parameter) or value.dim() == 0:  # module state: fixed sizes (see _symbolic_fakes)
         text += f" sizes {tuple(value.shape)} strides {value.stride()}"
     return text
