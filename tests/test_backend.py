@@ -295,6 +295,40 @@ def test_projector_pre_norm_is_fused_into_the_gather(tmp_path):
     assert code.count("layer_norm(") == 2 * MoonViT3dConfig.tiny().num_hidden_layers + 1  # blocks + final, not pre_norm
 
 
+class _MergerIntoLayerNorm(torch.nn.Module):
+    """A per-item 2x2 window merger whose output goes through a LayerNorm (the projector's pre-norm)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre_norm = torch.nn.LayerNorm(4)
+        self.proj = torch.nn.Linear(16, 6)
+
+    def forward(self, x, grid):
+        outs = []
+        start = 0
+        for h, w in grid.tolist():
+            seq = x[start:start + h * w]
+            start = start + h * w
+            outs.append(seq.view(h // 2, 2, w // 2, 2, 4).permute(0, 2, 1, 3, 4).contiguous().view(h * w // 4, 4, 4))
+        return self.proj(self.pre_norm(torch.cat(outs)).view(-1, 16))
+
+
+def test_a_layer_norm_whose_eps_is_traced_as_a_graph_input_is_left_unfused():
+    """torch.compile(dynamic=True) traces a module's float attributes (LayerNorm's eps) as graph inputs:
+    the fusion of a gather into the LayerNorm needs a number, so that norm stays as it is (it raised
+    TypeError inside kimi_cg and the graph ran unlifted; found by the program fuzzer, seed 1205 case 34)."""
+    torch.manual_seed(0)
+    model = _MergerIntoLayerNorm().eval()
+    compiled = torch.compile(model, backend="kimi_cg", dynamic=True, options={"strict": True})
+    with torch.no_grad():
+        for grid in ([[8, 6]], [[2, 4], [4, 6], [2, 8]]):
+            grid = torch.tensor(grid)
+            x = torch.randn(int(grid.prod(-1).sum()), 4)
+            torch._dynamo.mark_static(x, 1)  # the feature width (dynamic=True would make it symbolic too)
+            torch.testing.assert_close(compiled(x, grid), model(x, grid), rtol=1e-5, atol=1e-6)
+    assert kimi_cg.counters["lift_fallbacks"] == 0 and kimi_cg.counters["host_programs_built"] >= 1, dict(kimi_cg.counters)
+
+
 def test_grid_integers_are_read_once_as_a_list():
     """NOTE [grid read once]: grid[i][j].item() chains become indexing of one grid.tolist(); an
     indexing another node uses as a tensor stays; reads of other tensors are left alone."""

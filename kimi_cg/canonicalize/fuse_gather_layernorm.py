@@ -36,7 +36,10 @@ def _layer_norm_args(node: torch.fx.Node):
     values.update(node.kwargs)
     if values.get("weight") is None or values.get("bias") is None:
         return None
-    return tuple(values["normalized_shape"]), values["weight"], values["bias"], float(values.get("eps", 1e-5))
+    eps = values.get("eps", 1e-5)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        return None  # e.g. a graph input: torch.compile(dynamic=True) traces a module's float attributes
+    return tuple(values["normalized_shape"]), values["weight"], values["bias"], float(eps)
 
 
 class FuseGatherLayerNormPass(GraphPass):
