@@ -329,6 +329,34 @@ def test_a_layer_norm_whose_eps_is_traced_as_a_graph_input_is_left_unfused():
     assert kimi_cg.counters["lift_fallbacks"] == 0 and kimi_cg.counters["host_programs_built"] >= 1, dict(kimi_cg.counters)
 
 
+class _MergerWithReshape(torch.nn.Module):
+    """A per-item 2x2 window merger written with ``reshape`` after the permute (a copy, where ``view``
+    would fail)."""
+
+    def forward(self, x, grid):
+        outs = []
+        start = 0
+        for h, w in grid.tolist():
+            seq = x[start:start + h * w]
+            start += h * w
+            outs.append(seq.view(h // 2, 2, w // 2, 2, 4).permute(0, 2, 1, 3, 4).reshape(-1, 4, 4))
+        return outs
+
+
+def test_a_merger_reshaping_after_a_permute_is_a_gather():
+    """The host replay of ``reshape`` copies where a view cannot follow (as the real op does): it replayed it
+    as ``view`` and rejected every valid input, so each call ran unlifted (program fuzzer, seed 1205)."""
+    model = _MergerWithReshape().eval()
+    compiled = torch.compile(model, backend="kimi_cg", options={"strict": True, "cuda_graphs": True, "token_budgets": [32, 128]})
+    with torch.no_grad():
+        for grid in ([[6, 4], [2, 2]], [[2, 2], [6, 4]], [[4, 4]]):
+            grid = torch.tensor(grid, dtype=torch.int32)
+            x = torch.randn(int(grid.prod(-1).sum()), 4)
+            for got, want in zip(compiled(x, grid), model(x, grid), strict=True):
+                assert torch.equal(got, want)  # a pure gather: exact
+    assert kimi_cg.counters["call_fallbacks"] == 0 and kimi_cg.counters["host_programs_built"] >= 1, dict(kimi_cg.counters)
+
+
 def test_grid_integers_are_read_once_as_a_list():
     """NOTE [grid read once]: grid[i][j].item() chains become indexing of one grid.tolist(); an
     indexing another node uses as a tensor stays; reads of other tensors are left alone."""

@@ -43,6 +43,7 @@ from kimi_cg.runtime.gather_plan import (
     row_source,
     row_getitem,
     row_view,
+    row_reshape,
     row_permute,
     row_transpose,
     row_identity,
@@ -65,7 +66,7 @@ logger = logging.getLogger(__name__)
 
 _ROW_METHODS = {
     "view": row_view,
-    "reshape": row_view,
+    "reshape": row_reshape,
     "permute": row_permute,
     "transpose": row_transpose,
     "contiguous": row_identity,
@@ -81,7 +82,7 @@ _ROW_FUNCTIONS = {
     torch.concat: row_cat,
     torch.mean: row_mean,
     torch.permute: row_permute,
-    torch.reshape: row_view,
+    torch.reshape: row_reshape,
     torch.flatten: row_flatten,
     torch.transpose: row_transpose,
 }

@@ -78,7 +78,9 @@ def row_getitem(rows: RowCombination, item) -> RowCombination:
     return rows.map(lambda t: t[item])
 
 
-def row_view(rows: RowCombination, *sizes) -> RowCombination:
+def row_view(rows: RowCombination, *sizes, copy: bool = False) -> RowCombination:
+    """``view`` of a per-item activation on its stand-in; ``copy``: ``reshape``, which copies where a
+    view cannot follow the strides (after a permute), so it succeeds where the real reshape does."""
     if len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size)):
         sizes = tuple(sizes[0])
     leading, last = list(sizes[:-1]), sizes[-1]
@@ -87,7 +89,11 @@ def row_view(rows: RowCombination, *sizes) -> RowCombination:
     if last == -1 and math.prod(leading) != math.prod(rows.index.shape[:-1]):
         raise RuntimeError(f"shape {list(sizes)} is invalid for input of size {math.prod(rows.shape)}")
     keep = rows.index.shape[-1]
-    return rows.map(lambda t: t.view(*leading, keep))
+    return rows.map(lambda t: t.reshape(*leading, keep) if copy else t.view(*leading, keep))
+
+
+def row_reshape(rows: RowCombination, *sizes) -> RowCombination:
+    return row_view(rows, *sizes, copy=True)
 
 
 def row_permute(rows: RowCombination, *dims) -> RowCombination:
