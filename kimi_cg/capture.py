@@ -79,6 +79,15 @@ def row_dim(value) -> int:
     return 0
 
 
+def input_rows_dim(pixel_values: torch.Tensor, rows: int) -> int:
+    """Where a call's pixel tensor holds ``rows`` packed rows (NOTE [rows on dim 1]): dim 0 when it is
+    that long, else dim 1 of a [1, L, ...] tensor of three dims or more (PaddleOCR-VL's patches). The
+    caller checks the size it needs there."""
+    if pixel_values.shape[0] < rows and pixel_values.dim() >= 3 and pixel_values.shape[0] == 1:
+        return 1
+    return 0
+
+
 def working_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A GraphModule over a copy of ``gm``'s graph (node metadata copied, attributes shared), for
     passes to rewrite while ``gm`` stays as dynamo captured it."""

@@ -173,15 +173,15 @@ class DeviceProgram:
 
             before = len(PyCodeCache.modules)
             root = program_cache.directory()  # NOTE [program cache]
-            found = store = None
+            found = entry = None
             if root is not None:
                 structure = structural_hash(self.gm, self.host_inputs, constants_by_content=True)
-                store = (root, program_cache.entry_key(structure, inputs, self.host_inputs))
-                found = program_cache.find(*store, lambda a: a.hold(self._size_positions, signature))
+                entry = (root, program_cache.entry_key(structure, inputs, self.host_inputs))
+                found = program_cache.find(*entry, lambda a: a.hold(self._size_positions, signature))
             if found is not None:
                 assumptions, compiled = found
             else:
-                assumptions, compiled = _compile_with_inductor(self.gm, inputs, self.host_inputs, store)
+                assumptions, compiled = _compile_with_inductor(self.gm, inputs, self.host_inputs, entry)
             self.inductor_code = _source_of(PyCodeCache.modules[before:])
             for dump in self.dumps:
                 dump.shared_file("device_programs", f"{self.key}.inductor", lambda: self.inductor_code or

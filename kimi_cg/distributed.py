@@ -59,6 +59,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from kimi_cg.capture import input_rows_dim
 from kimi_cg.errors import KimiCGError
 
 log = logging.getLogger(__name__)
@@ -194,8 +195,8 @@ class DataParallelTower:
         if not grid_rows:
             raise ValueError("the request has no items (grid has 0 rows)")
         rows = [int(self.pixel_rows(row)) for row in grid_rows]
-        rows_dim = _rows_dim(pixel_values, sum(rows))
-        if rows_dim is None:
+        rows_dim = input_rows_dim(pixel_values, sum(rows))
+        if pixel_values.shape[rows_dim] != sum(rows):
             raise ValueError(f"pixel_values {tuple(pixel_values.shape)} has {pixel_values.shape[0]} rows but the grid's "
                              f"items have {sum(rows)} (one row per patch: the product of each grid row; rows on dim 0, "
                              "or on dim 1 after a batch of one)")
@@ -342,16 +343,6 @@ class DataParallelTower:
         if dist.get_backend(self.group) == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
-
-
-def _rows_dim(pixel_values: torch.Tensor, rows: int) -> int | None:
-    """Where the request's pixel rows are: dim 0 when its size is the items' rows, else dim 1 of a
-    [1, L, ...] tensor of three dims or more (NOTE [rows on dim 1]); None when neither holds."""
-    if pixel_values.dim() >= 1 and pixel_values.shape[0] == rows:
-        return 0
-    if pixel_values.dim() >= 3 and pixel_values.shape[0] == 1 and pixel_values.shape[1] == rows:
-        return 1
-    return None
 
 
 def _aligned(size: int) -> int:

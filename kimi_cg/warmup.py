@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from kimi_cg.capture import input_rows_dim
 from kimi_cg.counters import counters, timings
 
 
@@ -41,9 +42,7 @@ def warm_up(model, pixel_values: torch.Tensor, grid: torch.Tensor, max_items: in
     if not isinstance(max_items, int) or max_items < 1:
         raise ValueError(f"max_items must be a positive int; got {max_items!r}")
     rows = int(grid[0].prod())
-    dim = 0
-    if pixel_values.shape[0] < rows and pixel_values.dim() >= 3 and pixel_values.shape[0] == 1:
-        dim = 1  # [1, L, ...]
+    dim = input_rows_dim(pixel_values, rows)
     if pixel_values.shape[dim] < rows:
         raise ValueError(f"pixel_values has {pixel_values.shape[dim]} rows; the first item needs {rows}")
     item_pixels, item_grid = pixel_values.narrow(dim, 0, rows), grid[:1]
