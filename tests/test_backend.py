@@ -214,7 +214,7 @@ def test_backend_resolves_in_a_fresh_interpreter():
         print("ok")
         """
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    result = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=300, env=dict(os.environ))
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
 

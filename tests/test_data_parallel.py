@@ -106,6 +106,6 @@ def test_two_gloo_ranks_match_eager_and_each_other(tmp_path):
 def test_two_nccl_ranks_match_eager_in_bf16(tmp_path):
     """The same cases on two GPUs: NCCL for the outputs, gloo for the agreement, CUDA graphs, bf16."""
     env = worker_env()
-    run_ranks([[sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29531",
+    run_ranks([[sys.executable, "-P", "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29531",
                 str(WORKER), "--nccl", str(tmp_path)]], env)
     check_rank_results(tmp_path)

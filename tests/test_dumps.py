@@ -115,7 +115,7 @@ def test_nodes_the_passes_add_are_printed_with_their_shapes(served):
 
 
 def test_report_command_summarises_a_dump(served):
-    result = subprocess.run([sys.executable, "-m", "kimi_cg.report", str(served)], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-P", "-m", "kimi_cg.report", str(served)], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr
     text = result.stdout
@@ -132,7 +132,7 @@ def test_report_command_summarises_a_dump(served):
     outside = graphs["0/3"]["device_ops"] + graphs["1/0"]["tensor_ops"]
     assert inside > 0 and graphs["1/0"]["tensor_ops"] > 0
     assert f"device ops: {inside} inside replayed graphs, {outside} outside" in text, text
-    missing = subprocess.run([sys.executable, "-m", "kimi_cg.report", str(served / "nothing")], capture_output=True,
+    missing = subprocess.run([sys.executable, "-P", "-m", "kimi_cg.report", str(served / "nothing")], capture_output=True,
                              text=True, timeout=120)
     assert missing.returncode == 2 and "no kimi_cg dump" in missing.stderr
 
@@ -163,7 +163,7 @@ def test_each_process_gets_its_own_run_folder(tmp_path):
             compiled(torch.randn(24, 3, 14, 14), torch.tensor([[4, 6]]))
     """)
     for _ in range(2):
-        subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, timeout=300)
+        subprocess.run([sys.executable, "-P", "-c", script], check=True, capture_output=True, timeout=300)
     runs = sorted(p for p in tmp_path.iterdir() if p.name.startswith("run_"))
     assert len(runs) == 2  # the second run neither overwrote nor mixed with the first
     for run in runs:
@@ -360,7 +360,7 @@ def test_torch_trace_holds_kimi_cg_artifacts(tmp_path):
                 grid = torch.tensor(grid)
                 compiled(torch.randn(int(grid.prod(-1).sum()), 3, 14, 14), grid)
     """)
-    subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, timeout=300,
+    subprocess.run([sys.executable, "-P", "-c", script], check=True, capture_output=True, timeout=300,
                    env={**os.environ, "TORCH_TRACE": str(trace)})
     artifacts = {}
     for log in trace.iterdir():
@@ -395,7 +395,7 @@ def test_torch_logs_shows_each_calls_decision():
         with torch.no_grad():
             compiled(torch.randn(24, 3, 14, 14), torch.tensor([[4, 6]]))
     """)
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+    result = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True, timeout=300,
                             env={**os.environ, "TORCH_LOGS": "+kimi_cg"})
     assert result.returncode == 0, result.stderr[-2000:]
     assert "kimi_cg call [0/0]: {'host_ms'" in result.stderr and "'path': 'replay'" in result.stderr, result.stderr[-2000:]

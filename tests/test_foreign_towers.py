@@ -516,7 +516,7 @@ def test_a_registered_flash_op_takes_max_seqlen_as_an_upper_bound(monkeypatch):
 
 def test_other_compiles_unaffected_by_kimi_cg():
     result = subprocess.run(
-        [sys.executable, "-c", OTHER_COMPILES_SCRIPT],
+        [sys.executable, "-P", "-c", OTHER_COMPILES_SCRIPT],
         capture_output=True,
         text=True,
         timeout=300,
@@ -588,7 +588,7 @@ SAME_GRAPHS_SCRIPT = textwrap.dedent(
 
 
 def test_other_backends_trace_transformers_attention_as_written():
-    result = subprocess.run([sys.executable, "-c", SAME_GRAPHS_SCRIPT], capture_output=True, text=True, timeout=300,
+    result = subprocess.run([sys.executable, "-P", "-c", SAME_GRAPHS_SCRIPT], capture_output=True, text=True, timeout=300,
                             cwd=Path(__file__).resolve().parents[1])
     lines = [line for line in result.stdout.splitlines() if line.startswith("REPORT ")]
     if result.returncode != 0 and "TowerUnavailable" in result.stderr:

@@ -50,7 +50,7 @@ PROCESS_SCRIPT = textwrap.dedent(
 def _run_process(tmp_path, name: str, cache: str) -> tuple[dict, list]:
     out = str(tmp_path / name)
     environment = dict(os.environ, KIMI_CG_PROGRAM_CACHE=cache)
-    result = subprocess.run([sys.executable, "-c", PROCESS_SCRIPT, out, json.dumps(GRIDS)], capture_output=True,
+    result = subprocess.run([sys.executable, "-P", "-c", PROCESS_SCRIPT, out, json.dumps(GRIDS)], capture_output=True,
                             text=True, timeout=600, env=environment)
     assert result.returncode == 0, result.stderr[-3000:]
     with open(out + ".json") as f:

@@ -373,7 +373,7 @@ def test_an_inductor_device_program_compiles_again_in_a_process_with_a_warm_indu
 
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
     for run in ("cold cache", "warm cache"):
-        result = subprocess.run([sys.executable, "-c", INDUCTOR_PROGRAM_WITH_A_SIZE_INPUT], capture_output=True,
+        result = subprocess.run([sys.executable, "-P", "-c", INDUCTOR_PROGRAM_WITH_A_SIZE_INPUT], capture_output=True,
                                 text=True, timeout=300, env=env)
         assert result.returncode == 0, f"{run}: {result.stderr[-2000:]}"
 

@@ -177,6 +177,45 @@ def test_masked_path_matches_per_segment_reference(lengths):
                                rtol=1e-5, atol=1e-6)
 
 
+def _q_layouts(rows: int, heads: int, head_dim: int, generator: torch.Generator, device: str = "cpu"):
+    """q, k, v as towers hand them to attention: contiguous, sliced out of one packed qkv, and
+    [H, L, Dh] storage seen as [L, H, Dh] (dense, not contiguous)."""
+    contiguous = [torch.randn(rows, heads, head_dim, generator=generator).to(device) for _ in range(3)]
+    packed = torch.randn(rows, 3, heads, head_dim, generator=generator).to(device).unbind(1)
+    heads_first = [torch.randn(heads, rows, head_dim, generator=generator).to(device).transpose(0, 1) for _ in range(3)]
+    return {"contiguous": contiguous, "packed qkv": list(packed), "heads first": heads_first}
+
+
+@pytest.mark.parametrize("path", ["reference", "masked"])
+def test_every_path_returns_the_layout_the_fake_says(path):
+    """The op's fake returns empty_like(q); Inductor asserts a custom op's real output has exactly
+    those strides, so every path must return them (the masked path returned [H, L, Dh] storage seen
+    as [L, H, Dh]: on CUDA in fp32 every captured call failed Inductor's stride assert and fell back)."""
+    from kimi_cg.ops.varlen_attention import varlen_attention_masked
+
+    run = {"reference": varlen_attention_reference, "masked": varlen_attention_masked}[path]
+    generator = torch.Generator().manual_seed(3)
+    cu_seqlens = torch.tensor([0, 5, 5, 12], dtype=torch.int32)
+    for layout, (q, k, v) in _q_layouts(12, 2, 8, generator).items():
+        out = run(q, k, v, cu_seqlens)
+        assert out.shape == q.shape and out.stride() == torch.empty_like(q).stride(), (layout, out.stride())
+        want = varlen_attention_reference(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA paths")
+@pytest.mark.parametrize("dtype, rows, segments", [(torch.float32, 40, 3), (torch.bfloat16, 40, 3), (torch.bfloat16, 2048, 40)])
+def test_cuda_op_returns_the_layout_the_fake_says(dtype, rows, segments):
+    """fp32 (masked SDPA), bf16 few segments (flash), bf16 many segments (the work list)."""
+    generator = torch.Generator().manual_seed(rows)
+    bounds = sorted(torch.randint(0, rows, (segments - 1,), generator=generator).tolist())
+    cu_seqlens = torch.tensor([0, *bounds, rows], dtype=torch.int32, device="cuda")
+    for layout, (q, k, v) in _q_layouts(rows, 4, 64, generator, "cuda").items():
+        q, k, v = (t.to(dtype) for t in (q, k, v))
+        out = torch.ops.kimi_cg.varlen_attention(q, k, v, cu_seqlens, rows)
+        assert out.stride() == torch.empty_like(q).stride(), (layout, out.stride())
+
+
 def test_one_segment_takes_cudnn_only_inside_an_exact_size_context(monkeypatch):
     """NOTE [one segment on cuDNN]: the gate, checked without a GPU (the dense call is stubbed): only
     a two-entry table over exactly the context's rows, half precision, a head dim cuDNN takes."""

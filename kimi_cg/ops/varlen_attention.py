@@ -89,7 +89,17 @@ def varlen_attention_masked(
     segment = torch.searchsorted(cu_seqlens.to(device=q.device, dtype=torch.int64)[1:].contiguous(), rows, right=True)
     mask = segment[:, None] == segment[None, :]
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale)
-    return out.transpose(0, 1)
+    return in_fake_layout(out.transpose(0, 1), q)
+
+
+def in_fake_layout(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``out`` with the strides of the op's fake, ``empty_like(q)``: Inductor asserts that a custom
+    op's real output has the strides its fake gave, so a path whose kernel returns another layout
+    (SDPA's [H, L, Dh] storage seen as [L, H, Dh]) is copied; a matching one is returned as is."""
+    if out.is_contiguous() and q.is_contiguous():
+        return out
+    like = torch.empty_like(q)
+    return out if out.stride() == like.stride() else like.copy_(out)
 
 
 # NOTE [work list or flash]
@@ -232,6 +242,10 @@ def varlen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
     scale: float | None = None,
 ) -> torch.Tensor:
+    return in_fake_layout(_varlen_attention_on_a_path(q, k, v, cu_seqlens, max_seqlen, scale), q)
+
+
+def _varlen_attention_on_a_path(q, k, v, cu_seqlens, max_seqlen, scale):
     max_seqlen = _bounded_max_seqlen(q, cu_seqlens, max_seqlen)  # NOTE [segment-length classes]
     if q.device.type != "cuda":
         return varlen_attention_reference(q, k, v, cu_seqlens, scale)
