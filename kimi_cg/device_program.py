@@ -75,10 +75,12 @@ def structural_hash(gm: torch.fx.GraphModule, shape_free_inputs: frozenset[int] 
         if node.op == "placeholder":
             placeholder_index += 1
             value = example_value(node)
+            # The device with its index: a compile allocates on, and launches for, the device it was made for.
             if isinstance(value, torch.Tensor) and placeholder_index in shape_free_inputs:
-                kind = f"{value.dtype}:{value.dim()}"
+                kind = f"{value.dtype}:{value.dim()}:{value.device}"
             elif isinstance(value, torch.Tensor):
-                kind = f"{value.dtype}:{value.dim()}:{[s if isinstance(s, int) else 'sym' for s in value.shape]}"
+                kind = (f"{value.dtype}:{value.dim()}:{[s if isinstance(s, int) else 'sym' for s in value.shape]}:"
+                        f"{value.device}")
             else:
                 kind = type(value).__name__
             args = ()

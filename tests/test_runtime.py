@@ -341,6 +341,25 @@ def test_device_programs_equal_but_for_input_names_share_one_hash():
     assert hashes[1] != hashes[2]
 
 
+def test_device_programs_on_two_devices_do_not_share_one_hash():
+    """The same tower on two devices in one process (a replica per GPU) traces two graphs equal but for
+    their inputs' device; one device program would reuse the first device's compile (Inductor's code
+    allocates on, and launches for, the device it was compiled for) for the second device's tensors."""
+    from kimi_cg.device_program import structural_hash
+
+    def program(x, weight):
+        return torch.relu(x @ weight) + 1
+
+    def traced_on(device):
+        gm = torch.fx.symbolic_trace(program)
+        for node, shape in zip((n for n in gm.graph.nodes if n.op == "placeholder"), ((4, 8), (8, 8))):
+            node.meta["example_value"] = torch.empty(shape, device=device)
+        return gm
+
+    assert structural_hash(traced_on("cpu")) == structural_hash(traced_on("cpu"))
+    assert structural_hash(traced_on("cpu")) != structural_hash(traced_on("meta"))
+
+
 INDUCTOR_PROGRAM_WITH_A_SIZE_INPUT = """
 import torch
 from torch._dynamo.source import ConstantSource
