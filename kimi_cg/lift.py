@@ -284,6 +284,9 @@ def split(gm: torch.fx.GraphModule, inputs: list[GraphInput]) -> LiftedGraph:
     members: dict[str, list[torch.fx.Node]] = {}
     for name, category in primary.items():
         chosen = {node for node, c in categories.items() if c is category and node.op != "placeholder"}
+        if name == "host":  # a CONST / SIZE value the graph returns and no program needs: the host makes it
+            chosen |= {arg for arg in output_node.all_input_nodes
+                       if arg.op != "placeholder" and categories[arg] in (Category.CONST, Category.SIZE)}
         # CONST and SIZE helpers are recomputed in every program that needs them (they are cheap).
         stack = list(chosen)
         while stack:

@@ -329,6 +329,43 @@ def test_a_layer_norm_whose_eps_is_traced_as_a_graph_input_is_left_unfused():
     assert kimi_cg.counters["lift_fallbacks"] == 0 and kimi_cg.counters["host_programs_built"] >= 1, dict(kimi_cg.counters)
 
 
+class _ReturnsAFreshMask(torch.nn.Module):
+    """Varlen attention over the grid's items, and a [1, L, L] mask the graph returns (dynamo ends a
+    piece there when the frame goes on to fill the mask in a loop it cannot trace)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(8, 24)
+
+    def forward(self, x, grid):
+        rows = x.shape[0]
+        lengths = grid[:, 0] * grid[:, 1]
+        cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+        q, k, v = self.qkv(x).view(rows, 3, 2, 4).unbind(1)
+        out = torch.ops.kimi_cg.varlen_attention(q, k, v, cu_seqlens, int(lengths.max().item()))
+        return out.reshape(rows, 8), torch.zeros(1, rows, rows, dtype=torch.bool)
+
+
+def test_a_graph_returning_a_tensor_made_from_constants_alone_is_lifted():
+    """Under a static trace ``torch.zeros(1, L, L)`` depends on nothing: no program owned it, and the
+    split raised KeyError inside kimi_cg, so the graph ran unlifted (found by the program fuzzer, seed
+    1206 case 11). The host serves it now, a fresh tensor per call (a caller may fill it in place)."""
+    torch.manual_seed(0)
+    model = _ReturnsAFreshMask().eval()
+    compiled = torch.compile(model, backend="kimi_cg", dynamic=False, options={"strict": True})
+    masks = []
+    with torch.no_grad():
+        for grid in ([[2, 3], [1, 4]], [[2, 2], [3, 1]], [[4, 4]], [[2, 2], [3, 1]]):
+            grid = torch.tensor(grid)
+            x = torch.randn(int(grid.prod(-1).sum()), 8)
+            got, want = compiled(x, grid), model(x, grid)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            got[1].fill_(True)  # the caller owns what it got back
+            masks.append(got[1])
+    assert len({mask.data_ptr() for mask in masks}) == len(masks)
+    assert kimi_cg.counters["lift_fallbacks"] == 0 and kimi_cg.counters["host_programs_built"] >= 1, dict(kimi_cg.counters)
+
+
 class _MergerWithReshape(torch.nn.Module):
     """A per-item 2x2 window merger written with ``reshape`` after the permute (a copy, where ``view``
     would fail)."""
