@@ -16,6 +16,10 @@ if not torch.cuda.is_available():
 
 import kimi_cg  # noqa: E402
 
+# The program cache (NOTE [program cache]) is on by default under Inductor's cache directory: tests
+# compile from scratch and write nothing there; the program cache's own tests name a directory.
+os.environ["KIMI_CG_PROGRAM_CACHE"] = "0"
+
 # kimi_cg.testing's fixture (kimi_cg_fuzz), as a user enables it.
 pytest_plugins = ["kimi_cg.testing.pytest_plugin"]
 

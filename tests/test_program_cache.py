@@ -138,12 +138,29 @@ def test_an_entry_that_does_not_load_is_passed_over(tmp_path, monkeypatch):
     assert kimi_cg.counters["call_fallbacks"] == 0
 
 
-def test_the_cache_is_off_without_the_environment_variable(tmp_path, monkeypatch):
-    monkeypatch.delenv(program_cache.ENVIRONMENT_VARIABLE, raising=False)
+@pytest.mark.parametrize("value", ["0", "off", "OFF", " false ", "no"])
+def test_the_cache_is_off_when_the_environment_says_so(tmp_path, monkeypatch, value):
+    monkeypatch.setenv(program_cache.ENVIRONMENT_VARIABLE, value)
     monkeypatch.chdir(tmp_path)
     assert program_cache.directory() is None
     assert _run(_tower(), GRIDS[:1]) <= 1e-5
     assert not any(k.startswith("program_cache") for k in kimi_cg.counters), dict(kimi_cg.counters)
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_cache_is_on_by_default_under_inductors_cache_directory(tmp_path, monkeypatch):
+    """Unset or empty: the cache sits under Inductor's cache directory (TORCHINDUCTOR_CACHE_DIR), and a
+    compile stores its program there."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    for value in (None, "", "  "):
+        if value is None:
+            monkeypatch.delenv(program_cache.ENVIRONMENT_VARIABLE, raising=False)
+        else:
+            monkeypatch.setenv(program_cache.ENVIRONMENT_VARIABLE, value)
+        assert program_cache.directory() == str(tmp_path / "inductor" / "kimi_cg_programs")
+    assert _run(_tower(), GRIDS[:1]) <= 1e-5
+    assert kimi_cg.counters["program_cache_stores"] == 1, dict(kimi_cg.counters)
+    assert any(path.suffix == ".json" for path in (tmp_path / "inductor" / "kimi_cg_programs").rglob("*"))
 
 
 def test_the_cache_is_off_where_inductor_may_fold_weights_into_the_program(monkeypatch):
