@@ -17,7 +17,7 @@ included). For kimi_cg, W1 also reports replay-only time (CUDA events around gra
 host overhead (end to end minus replay) and a cProfile of its host side. The torch.compile systems
 run under dynamo's stock settings (class StockDynamo). Results are written to --out after each one.
 Systems: eager, inductor, inductor_reduce_overhead, seed_style, kimi_cg, and kimi_cg variants with one
-lever off for same-process comparisons (KIMI_CG_VARIANTS: kimi_cg_one_length_class).
+lever off or on for same-process comparisons (KIMI_CG_VARIANTS: kimi_cg_one_length_class, kimi_cg_max_autotune).
 """
 
 from __future__ import annotations
@@ -151,7 +151,23 @@ class StockDynamo:
 KIMI_CG_VARIANTS = {
     "kimi_cg": {},
     "kimi_cg_one_length_class": {"attention_length_classes": 1},  # NOTE [segment-length classes] off
+    "kimi_cg_max_autotune": {},  # Inductor's GEMM autotuning for the device program (INDUCTOR_PATCHES)
 }
+# Inductor configuration a variant's calls run under (its device program compiles inside its first calls).
+INDUCTOR_PATCHES = {"kimi_cg_max_autotune": {"max_autotune": True, "max_autotune_gemm": True}}
+
+
+class WithInductorConfig:
+    """A compiled system whose calls (so its device program's compile) run under Inductor settings."""
+
+    def __init__(self, compiled, patches: dict):
+        self.compiled, self.patches = compiled, patches
+
+    def __call__(self, *args):
+        import torch._inductor.config as inductor_config
+
+        with inductor_config.patch(self.patches):
+            return self.compiled(*args)
 
 
 def build_system(name: str, model, device_compiler: str = "auto"):
@@ -159,7 +175,8 @@ def build_system(name: str, model, device_compiler: str = "auto"):
         return model
     if name in KIMI_CG_VARIANTS:
         options = {"device_compiler": device_compiler, **KIMI_CG_VARIANTS[name]}
-        return torch.compile(model, backend="kimi_cg", options=options)
+        compiled = torch.compile(model, backend="kimi_cg", options=options)
+        return WithInductorConfig(compiled, INDUCTOR_PATCHES[name]) if name in INDUCTOR_PATCHES else compiled
     if name == "inductor":
         return StockDynamo(torch.compile(model))
     if name == "inductor_reduce_overhead":
@@ -169,6 +186,14 @@ def build_system(name: str, model, device_compiler: str = "auto"):
 
         return SeedStyleMoonVit(model, max_output_tokens=4096)
     raise ValueError(name)
+
+
+def warm_up(name: str, system, inputs) -> dict:
+    """kimi_cg.warm_up of a kimi_cg variant, under its Inductor settings."""
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(INDUCTOR_PATCHES.get(name, {})):
+        return kimi_cg.warm_up(getattr(system, "compiled", system), *inputs, max_items=8)
 
 
 def compile_count(name: str, system=None) -> int:
@@ -454,7 +479,7 @@ def main() -> None:
             kimi_cg.reset()
             system = build_system(name, vit, args.device_compiler)
             if name in KIMI_CG_VARIANTS and args.kimi_cg_warm_up:
-                extras[f"{name}_warm_up"] = kimi_cg.warm_up(system, *make_inputs([[16, 16]], 0), max_items=8)
+                extras[f"{name}_warm_up"] = warm_up(name, system, make_inputs([[16, 16]], 0))
             for workload, grid in (("W1", [[32, 32]]), ("W2", W2), ("W3", [[128, 128]])):
                 if workload not in workloads:
                     continue
@@ -512,7 +537,7 @@ def main() -> None:
                     continue  # the seeds run video chunks eagerly (a sentinel size); no graph-safe 3D path
                 system = build_system(name, vit3d, args.device_compiler)
                 if name in KIMI_CG_VARIANTS and args.kimi_cg_warm_up:
-                    extras[f"{name}_warm_up_3d"] = kimi_cg.warm_up(system, *make_inputs([[1, 16, 16]], 0), max_items=8)
+                    extras[f"{name}_warm_up_3d"] = warm_up(name, system, make_inputs([[1, 16, 16]], 0))
                 run = run_stream(system, lambda: compile_count(name, system), warm3d, stream3d, seed=200,
                                  budget_s=args.stream_budget_s, warmup_budget_s=warmup_budget(name), repeat=False)
                 extras[f"W4_3d_{name}_times_ms"] = run["first"]
