@@ -366,6 +366,43 @@ def test_a_graph_returning_a_tensor_made_from_constants_alone_is_lifted():
     assert kimi_cg.counters["lift_fallbacks"] == 0 and kimi_cg.counters["host_programs_built"] >= 1, dict(kimi_cg.counters)
 
 
+class _CentredItemsThenMaskedAttention(torch.nn.Module):
+    """Per-item centring (a split by grid sizes: the rows become a sum of unbacked sizes), SDPA under a
+    block-diagonal mask filled by a loop, then a per-item flip."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(8, 24)
+
+    def forward(self, x, grid):
+        cu = torch.nn.functional.pad((grid[:, 0] * grid[:, 1]).cumsum(0), (1, 0))
+        x = torch.cat([p - p.mean(0, keepdim=True) for p in torch.split(x, (cu[1:] - cu[:-1]).tolist())])
+        rows = x.shape[0]
+        q, k, v = (t.transpose(0, 1) for t in self.qkv(x).view(rows, 3, 1, 8).unbind(1))
+        mask = torch.zeros([1, rows, rows], dtype=torch.bool)
+        for i in range(1, len(cu)):
+            a, b = cu[i - 1].item(), cu[i].item()
+            mask[:, a:b, a:b] = True
+        x = torch.nn.functional.scaled_dot_product_attention(q, k, v, mask).transpose(0, 1).reshape(rows, 8)
+        return torch.cat([p.flip(0) for p in x.split([h * w for h, w in grid.tolist()])])
+
+
+def test_nodes_the_segment_attention_rewrite_inserts_carry_example_values():
+    """The masked SDPA becomes kimi_cg's varlen op through inserted transposes; without example values
+    on them the merge-gather pass took them for a region's root and raised AttributeError inside
+    kimi_cg (the graph ran unlifted; program fuzzer, seed 1207 case 248). Whatever kimi_cg cannot lift
+    here must be a named limit, never an internal error."""
+    torch.manual_seed(0)
+    model = _CentredItemsThenMaskedAttention().eval()
+    compiled = torch.compile(model, backend="kimi_cg")
+    with torch.no_grad():
+        for grid in ([[7, 5], [8, 2]], [[3, 1], [7, 1], [4, 4]], [[1, 8], [8, 4], [8, 7]]):
+            grid = torch.tensor(grid)
+            x = torch.randn(int(grid.prod(-1).sum()), 8)
+            torch.testing.assert_close(compiled(x, grid), model(x, grid), rtol=1e-5, atol=1e-6)
+    assert not any(reason.startswith("internal error") for reason in kimi_cg.fallbacks), dict(kimi_cg.fallbacks)
+
+
 class _MergerWithReshape(torch.nn.Module):
     """A per-item 2x2 window merger written with ``reshape`` after the permute (a copy, where ``view``
     would fail)."""

@@ -182,20 +182,33 @@ class SegmentAttentionPass(GraphPass):
     @staticmethod
     def _rewrite_sdpa(graph: torch.fx.Graph, node: torch.fx.Node, bounds: list, mask_length) -> None:
         batched = example_value(node.args[0]).dim() == 4
+
+        def valued(inserted: torch.fx.Node, value) -> torch.fx.Node:
+            # Every inserted tensor node carries its (fake) example value, as dynamo's own nodes do:
+            # later passes read shapes from it (a node without one looked like a region's root to the
+            # merge-gather pass).
+            inserted.meta["example_value"] = value
+            return inserted
+
         with graph.inserting_before(node):
             packed = []
             for tensor in node.args[:3]:
+                value = example_value(tensor)
                 if batched:
-                    tensor = graph.call_method("squeeze", (tensor, 0))
-                packed.append(graph.call_method("transpose", (tensor, -3, -2)))  # [H, L, D] -> [L, H, D]
+                    value = value.squeeze(0)
+                    tensor = valued(graph.call_method("squeeze", (tensor, 0)), value)
+                # [H, L, D] -> [L, H, D]
+                packed.append(valued(graph.call_method("transpose", (tensor, -3, -2)), value.transpose(-3, -2)))
             total = graph.call_function(torch.ops.aten.sym_size.int, (packed[0], 0))
             total.meta["example_value"] = example_value(node.args[0]).shape[-2]
             host_total = mask_length if mask_length is not None else total
             cu_seqlens = graph.call_function(segments_to_cu_seqlens, (tuple(bounds), host_total))
             cu_seqlens.meta["stack_trace"] = node.meta.get("stack_trace")
-            out = graph.call_function(_VARLEN, (*packed, cu_seqlens, total, node.kwargs.get("scale")))
+            varlen_value = torch.empty_like(example_value(packed[0]))  # the op's fake
+            out = valued(graph.call_function(_VARLEN, (*packed, cu_seqlens, total, node.kwargs.get("scale"))), varlen_value)
             out = graph.call_method("transpose", (out, -3, -2))
             if batched:
+                out = valued(out, varlen_value.transpose(-3, -2))
                 out = graph.call_method("unsqueeze", (out, 0))
         out.meta = dict(node.meta)
         node.replace_all_uses_with(out)
