@@ -56,11 +56,9 @@ from kimi_cg.counters import counters
 logger = logging.getLogger(__name__)
 
 ENVIRONMENT_VARIABLE = "KIMI_CG_PROGRAM_CACHE"
+OFF_VALUES = ("0", "off", "false", "no")  # values of ENVIRONMENT_VARIABLE that turn the cache off
 FORMAT = 1
 _LOCK = threading.Lock()  # the Inductor cache directory is process-wide: one compile or load at a time
-
-
-OFF_VALUES = ("0", "off", "false", "no")
 
 
 def directory() -> str | None:
