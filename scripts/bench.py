@@ -10,14 +10,17 @@ Workloads (fixed seeds):
   every system first gets the same 10 other requests (warm-up; between them they use each item
   count 1..8 once, as a serving start-up pass would; their sizes are drawn from another seed), then
   W4 is timed in one pass, compile stalls included; W4_repeat is a second pass (sizes seen); W4_3d
-  is W4 on MoonViT3d with 20% video chunks (t in 2..4). A pass stops once --stream-budget-s is
-  spent (torch.compile recompiles for minutes) and its result says "truncated".
+  is W4 on MoonViT3d with 20% video chunks (t in 2..4); W5 is a fresh stream of 1-2 small images
+  (h, w even in [4, 24]: below the smallest default bucket) after its own 3-request warm-up. A pass
+  stops once --stream-budget-s is spent (torch.compile recompiles for minutes) and its result says
+  "truncated".
 Times are wall-clock per call with CUDA synchronisation before and after (end to end, host pass
 included). For kimi_cg, W1 also reports replay-only time (CUDA events around graph.replay()) and
 host overhead (end to end minus replay) and a cProfile of its host side. The torch.compile systems
 run under dynamo's stock settings (class StockDynamo). Results are written to --out after each one.
 Systems: eager, inductor, inductor_reduce_overhead, seed_style, kimi_cg, and kimi_cg variants with one
-lever off or on for same-process comparisons (KIMI_CG_VARIANTS: kimi_cg_one_length_class, kimi_cg_max_autotune).
+lever off or on for same-process comparisons (KIMI_CG_VARIANTS: kimi_cg_one_length_class, kimi_cg_max_autotune,
+kimi_cg_small_buckets).
 """
 
 from __future__ import annotations
@@ -54,6 +57,13 @@ def request_stream(seed: int, count: int, video_fraction: float = 0.0):
                 items.append([h, w])
         stream.append(items)
     return stream
+
+
+def small_request_stream(seed: int, count: int):
+    """W5: requests of one or two small images (thumbnails, OCR crops), h, w even in [4, 24] patches:
+    16-576 patches each, all below the default ladder's smallest bucket (1024)."""
+    rng = random.Random(seed)
+    return [[[2 * rng.randint(2, 12), 2 * rng.randint(2, 12)] for _ in range(rng.randint(1, 2))] for _ in range(count)]
 
 
 def warmup_stream(seed: int, count: int = 10, video_fraction: float = 0.0):
@@ -152,6 +162,7 @@ KIMI_CG_VARIANTS = {
     "kimi_cg": {},
     "kimi_cg_one_length_class": {"attention_length_classes": 1},  # NOTE [segment-length classes] off
     "kimi_cg_max_autotune": {},  # Inductor's GEMM autotuning for the device program (INDUCTOR_PATCHES)
+    "kimi_cg_small_buckets": {"min_tokens": 256},  # the ladder from 256 patches: W5's requests pad less
 }
 # Inductor configuration a variant's calls run under (its device program compiles inside its first calls).
 INDUCTOR_PATCHES = {"kimi_cg_max_autotune": {"max_autotune": True, "max_autotune_gemm": True}}
@@ -513,6 +524,13 @@ def main() -> None:
                 summary = stream_summary(run, "first", len(stream), len(warm_stream))
                 record("W4", name, with_warm_up(summary, name, f"{name}_warm_up"))
                 record("W4_repeat", name, stream_summary(run, "second", len(stream), len(warm_stream)))
+            if "W5" in workloads:
+                # its own warm-up: one and two items, the first count again (its dynamic trace)
+                run = run_stream(system, lambda: compile_count(name, system), [[[8, 8]], [[6, 10], [4, 4]], [[10, 6]]],
+                                 small_request_stream(seed=6, count=args.requests), seed=300, budget_s=args.stream_budget_s,
+                                 warmup_budget_s=warmup_budget(name), repeat=False)
+                extras[f"W5_{name}_times_ms"] = run["first"]
+                record("W5", name, stream_summary(run, "first", args.requests, 3))
             if name in KIMI_CG_VARIANTS:
                 extras[f"graph_memory_bytes_{name}"] = graph_memory_bytes()
                 extras[f"{name}_counters"] = dict(kimi_cg.counters)

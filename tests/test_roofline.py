@@ -52,3 +52,21 @@ def test_roofline_rows_from_a_report():
     assert rows["W1"]["kernel_ms"] == 4.0 and not rows["W1"]["kernel_ms_is_end_to_end"]
     assert rows["W3"]["kernel_ms_is_end_to_end"] and rows["W3"]["rows"] == 128 * 128
     assert "| W1 | 1024 |" in roofline.markdown(list(rows.values()))
+
+
+def test_bench_runs_its_variants_and_small_image_stream_on_cpu(tmp_path):
+    """scripts/bench.py's smoke mode (tiny towers on the CPU) through the variants and the W5 stream, so
+    a run on the GPU host does not find a broken script."""
+    import json
+    import subprocess
+
+    out = tmp_path / "bench.json"
+    result = subprocess.run([sys.executable, "-P", "scripts/bench.py", "--smoke-test-on-cpu", "--systems",
+                             "eager,kimi_cg_small_buckets,kimi_cg_max_autotune", "--workloads", "W1,W5", "--requests", "3",
+                             "--repeats", "2", "--out", str(out)],
+                            capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert set(results["W5"]) == {"eager", "kimi_cg_small_buckets", "kimi_cg_max_autotune"}, results
+    assert results["W5"]["kimi_cg_small_buckets"]["calls"] == 3
+    assert results["W1"]["kimi_cg_max_autotune"]["rel_err_vs_eager"] < 1e-2
