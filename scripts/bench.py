@@ -514,6 +514,8 @@ def main() -> None:
                 run = run_stream(system, lambda: compile_count(name, system), warm_stream, stream, seed=100,
                                  budget_s=args.stream_budget_s, warmup_budget_s=warmup_budget(name))
                 extras[f"W4_{name}_times_ms"] = run["first"]
+                if any(run["replays"]["first"]):
+                    extras[f"W4_{name}_replay_ms"] = run["replays"]["first"]
                 extras[f"W4_{name}_stalls"] = run["stalls"]
                 if args.profile and DEVICE == "cuda":
                     # requests of another seed first: mostly sizes this system has not seen (host pass misses)
@@ -559,6 +561,8 @@ def main() -> None:
                 run = run_stream(system, lambda: compile_count(name, system), warm3d, stream3d, seed=200,
                                  budget_s=args.stream_budget_s, warmup_budget_s=warmup_budget(name), repeat=False)
                 extras[f"W4_3d_{name}_times_ms"] = run["first"]
+                if any(run["replays"]["first"]):  # per request: which requests' non-replay time is large
+                    extras[f"W4_3d_{name}_replay_ms"] = run["replays"]["first"]
                 extras[f"W4_3d_{name}_stalls"] = run["stalls"]
                 if args.profile and DEVICE == "cuda":
                     extras[f"W4_3d_{name}_profile"] = device_profile(
