@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# GPU proof on the H200 in one run: core tests under the GPU machine's torch, the GPU tests
-# (CUDA-graph replays vs eager in bf16, fuzzed, poisoned pool; data_parallel over NCCL where the host
-# has two GPUs), then a short summary. `scripts/gpu_check.sh gpu` runs the GPU tests with the core
-# suite beside them, `scripts/gpu_check.sh cpu` the other CPU suites (each part fits a 10-minute call).
+# GPU proof on the H200: core tests under the GPU machine's torch, the GPU tests (CUDA-graph replays
+# vs eager in bf16, fuzzed, poisoned pool; data_parallel over NCCL where the host has two GPUs), then a
+# short summary. Parts, each meant for a call of at most 10 minutes (`all` runs them one after another):
+#   gpu     tiny towers, kernels, attention, program cache, data_parallel; the core CPU suite beside them
+#   towers  transformers' towers (tiny, bf16, fuzzed; ~40 s each on the H200, 2026-12-05)
+#   real    real-size Kimi-VL / MoonViT3d fuzz and exact-size graphs
+#   cpu     the other CPU suites (foreign towers, program fuzz, reliability, testing, dumps)
 # On a GPU host without internet access kimi_cg comes from a wheel built beforehand:
 #   pip wheel --no-deps --no-build-isolation -w .whl .   (and copy .whl/ along with the tree)
 set -uo pipefail
@@ -14,9 +17,10 @@ if ls .whl/kimi_cg-*.whl >/dev/null 2>&1; then
 fi
 python3 -P -c "import torch, kimi_cg.kernels; print('torch', torch.__version__, torch.cuda.get_device_name())" || exit 1
 export KIMI_CG_GPU_SUMMARY="$OUT/gpu_summary.json"
+rm -f "$KIMI_CG_GPU_SUMMARY"  # the GPU tests add their cases to it, part after part
 status=0
 part=${1:-all}
-case "$part" in all|gpu|cpu) ;; *) echo "usage: $0 [all|gpu|cpu]" >&2; exit 2 ;; esac
+case "$part" in all|gpu|towers|real|cpu) ;; *) echo "usage: $0 [all|gpu|towers|real|cpu]" >&2; exit 2 ;; esac
 want() { [ "$part" = all ] || [ "$part" = "$1" ]; }
 # The core (CPU) suite under this machine's torch runs beside the GPU tests, on the CPU only
 # (dynamo's unbacked-integer handling differs between torch versions). Full logs go to $OUT as they
@@ -41,14 +45,20 @@ testing=
 want cpu && (CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=4 python3 -P -m pytest -q -p no:cacheprovider --durations=5 \
   tests/test_testing.py tests/test_dumps.py > "$OUT/testing_dump_tests.txt" 2>&1) &
 want cpu && testing=$!
-want gpu && { python3 -P -m pytest -v -p no:cacheprovider --durations=10 tests/test_gpu.py tests/test_kernels.py tests/test_varlen_attention.py tests/test_varlen_work_list.py \
-  tests/test_data_parallel.py \
-  > "$OUT/gpu_tests.txt" 2>&1 || status=1; tail -15 "$OUT/gpu_tests.txt"; }
+gpu_tests() {  # name, then pytest arguments; the log goes to $OUT/gpu_tests_<name>.txt as it is written
+  local name=$1; shift
+  python3 -P -m pytest -v -p no:cacheprovider --durations=10 "$@" > "$OUT/gpu_tests_$name.txt" 2>&1 || status=1
+  tail -15 "$OUT/gpu_tests_$name.txt"
+}
+want gpu && gpu_tests gpu tests/test_gpu.py -k "not real and not transformers_tower and not exact_size"
+want gpu && gpu_tests kernels tests/test_kernels.py tests/test_varlen_attention.py tests/test_varlen_work_list.py tests/test_data_parallel.py
+want towers && gpu_tests towers tests/test_gpu.py -k transformers_tower
+want real && gpu_tests real tests/test_gpu.py -k "real or exact_size"
 if [ -n "$core" ]; then wait $core || status=1; tail -8 "$OUT/core_tests.txt"; fi
 if [ -n "$foreign" ]; then wait $foreign || status=1; tail -8 "$OUT/foreign_tests.txt"; fi
 if [ -n "$reliability" ]; then wait $reliability || status=1; tail -8 "$OUT/reliability_tests.txt"; fi
 if [ -n "$testing" ]; then wait $testing || status=1; tail -8 "$OUT/testing_dump_tests.txt"; fi
-want gpu && python3 - "$KIMI_CG_GPU_SUMMARY" <<'PY'
+{ want gpu || want towers || want real; } && python3 - "$KIMI_CG_GPU_SUMMARY" <<'PY'
 import json, sys
 try:
     data = json.load(open(sys.argv[1]))

@@ -56,8 +56,13 @@ def _record(name: str, report, counters: dict, **extra) -> None:
     }
     path = os.environ.get("KIMI_CG_GPU_SUMMARY")
     if path:
+        cases = {}
+        if os.path.exists(path):  # scripts/gpu_check.sh runs its parts as separate pytest processes
+            with open(path) as f:
+                cases = json.load(f).get("cases", {})
+        cases.update(SUMMARY)
         with open(path, "w") as f:
-            json.dump({"torch": torch.__version__, "device": torch.cuda.get_device_name(), "cases": SUMMARY}, f, indent=2)
+            json.dump({"torch": torch.__version__, "device": torch.cuda.get_device_name(), "cases": cases}, f, indent=2)
 
 
 @pytest.mark.parametrize("tower, size, count", CASES, ids=[f"{t}-{s}" for t, s, _ in CASES])
