@@ -184,7 +184,7 @@ class SegmentAttentionPass(GraphPass):
         batched = example_value(node.args[0]).dim() == 4
 
         def valued(inserted: torch.fx.Node, value) -> torch.fx.Node:
-            # Every inserted tensor node carries its (fake) example value, as dynamo's own nodes do:
+            # Every inserted tensor node holds its (fake) example value, as dynamo's own nodes do:
             # later passes read shapes from it (a node without one looked like a region's root to the
             # merge-gather pass).
             inserted.meta["example_value"] = value
