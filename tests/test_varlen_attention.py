@@ -177,12 +177,17 @@ def test_masked_path_matches_per_segment_reference(lengths):
                                rtol=1e-5, atol=1e-6)
 
 
-def _q_layouts(rows: int, heads: int, head_dim: int, generator: torch.Generator, device: str = "cpu"):
+def _q_layouts(rows: int, heads: int, head_dim: int, generator: torch.Generator, device: str = "cpu",
+               dtype: torch.dtype = torch.float32):
     """q, k, v as towers hand them to attention: contiguous, sliced out of one packed qkv, and
     [H, L, Dh] storage seen as [L, H, Dh] (dense, not contiguous)."""
-    contiguous = [torch.randn(rows, heads, head_dim, generator=generator).to(device) for _ in range(3)]
-    packed = torch.randn(rows, 3, heads, head_dim, generator=generator).to(device).unbind(1)
-    heads_first = [torch.randn(heads, rows, head_dim, generator=generator).to(device).transpose(0, 1) for _ in range(3)]
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator).to(device, dtype)
+
+    contiguous = [randn(rows, heads, head_dim) for _ in range(3)]
+    packed = randn(rows, 3, heads, head_dim).unbind(1)
+    heads_first = [randn(heads, rows, head_dim).transpose(0, 1) for _ in range(3)]
     return {"contiguous": contiguous, "packed qkv": list(packed), "heads first": heads_first}
 
 
@@ -210,10 +215,11 @@ def test_cuda_op_returns_the_layout_the_fake_says(dtype, rows, segments):
     generator = torch.Generator().manual_seed(rows)
     bounds = sorted(torch.randint(0, rows, (segments - 1,), generator=generator).tolist())
     cu_seqlens = torch.tensor([0, *bounds, rows], dtype=torch.int32, device="cuda")
-    for layout, (q, k, v) in _q_layouts(rows, 4, 64, generator, "cuda").items():
-        q, k, v = (t.to(dtype) for t in (q, k, v))
+    for layout, (q, k, v) in _q_layouts(rows, 4, 64, generator, "cuda", dtype).items():
         out = torch.ops.kimi_cg.varlen_attention(q, k, v, cu_seqlens, rows)
         assert out.stride() == torch.empty_like(q).stride(), (layout, out.stride())
+        want = varlen_attention_reference(*(t.float().cpu() for t in (q, k, v)), cu_seqlens.cpu())
+        torch.testing.assert_close(out.float().cpu(), want, rtol=2e-2, atol=2e-2)
 
 
 def test_one_segment_takes_cudnn_only_inside_an_exact_size_context(monkeypatch):
