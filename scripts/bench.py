@@ -35,6 +35,7 @@ import statistics
 import time
 
 import torch
+import torch._inductor.config as inductor_config
 
 import kimi_cg
 from kimi_cg.models import MoonViT3dConfig, MoonViT3dPretrainedModel, MoonVitConfig, MoonVitPretrainedModel
@@ -175,8 +176,6 @@ class WithInductorConfig:
         self.compiled, self.patches = compiled, patches
 
     def __call__(self, *args):
-        import torch._inductor.config as inductor_config
-
         with inductor_config.patch(self.patches):
             return self.compiled(*args)
 
@@ -201,8 +200,6 @@ def build_system(name: str, model, device_compiler: str = "auto"):
 
 def warm_up(name: str, system, inputs) -> dict:
     """kimi_cg.warm_up of a kimi_cg variant, under its Inductor settings."""
-    import torch._inductor.config as inductor_config
-
     with inductor_config.patch(INDUCTOR_PATCHES.get(name, {})):
         return kimi_cg.warm_up(getattr(system, "compiled", system), *inputs, max_items=8)
 
