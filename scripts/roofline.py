@@ -14,6 +14,15 @@ most that bucket, counted at the largest bucket per piece, an upper bound). Kern
 report's replay time (CUDA events around graph replays: W1's replay-only figure, W4's replay mean)
 or, where the report has none (W2, W3), the end-to-end time, an upper bound. The GEMM peak is the
 bf16 8192^3 matmul measured on the H200 (805 TFLOP/s).
+
+--tail reads the W4 pass's per-request times instead (a report's ``extras["W4_<system>_times_ms"]``,
+in stream order) and sets each system's P99 / mean beside the stream's own: the P99 / mean of the
+work each request holds (rows, useful FLOPs, FLOPs executed at bucket sizes). A system whose time is
+proportional to the work it runs has the work's ratio; only a fixed cost per request (host time)
+brings it lower. The fit ``time = fixed + executed GFLOP / rate`` (least squares) says how much of
+kimi_cg's time is fixed.
+
+    python scripts/roofline.py docs/bench/<run>.json --tail
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -83,6 +93,38 @@ def roofline(report: dict, config: MoonVitConfig | None = None, buckets: tuple[i
     return rows
 
 
+def p99(values: list[float]) -> float:
+    """bench.py's P99 (the nearest rank of sorted values)."""
+    return bench.summarize(values, 0.0, 0)["p99_ms"]
+
+
+def tail(report: dict, config: MoonVitConfig | None = None, buckets: tuple[int, ...] | None = None) -> dict:
+    """P99 / mean of each system's W4 request times against that of the work the requests hold."""
+    config = config or MoonVitConfig()
+    buckets = buckets or KimiCGConfig().buckets()
+    times = {key[len("W4_"):-len("_times_ms")]: values for key, values in report.get("extras", {}).items()
+             if key.startswith("W4_") and key.endswith("_times_ms") and not key.startswith("W4_3d_")}
+    if not times:
+        raise ValueError("the report has no W4 per-request times (extras['W4_<system>_times_ms'])")
+    count = max(len(values) for values in times.values())
+    counts = [tower_flops(config, grid) for grid in bench.request_stream(seed=4, count=count)]
+    executed = [c["gemm_per_row"] * executed_rows(c["rows"], buckets) + c["embed"] + c["attention"] for c in counts]
+    work = {"rows": [c["rows"] for c in counts], "useful_flops": [c["embed"] + c["gemm"] + c["attention"] for c in counts],
+            "executed_flops": executed}
+    result = {"requests": count, "work_p99_over_mean": {k: p99(v) / statistics.fmean(v) for k, v in work.items()},
+              "systems": {}}
+    for system, values in times.items():
+        flops = [f / 1e9 for f in executed[:len(values)]]  # a pass cut by its time budget timed a prefix
+        mean_f, mean_t = statistics.fmean(flops), statistics.fmean(values)
+        slope = (sum((f - mean_f) * (t - mean_t) for f, t in zip(flops, values))
+                 / sum((f - mean_f) ** 2 for f in flops))
+        result["systems"][system] = {
+            "requests": len(values), "mean_ms": mean_t, "p99_ms": p99(values), "p99_over_mean": p99(values) / mean_t,
+            "correlation_with_executed_flops": statistics.correlation(flops, values),
+            "fixed_ms": mean_t - slope * mean_f, "executed_tflops": 1.0 / slope if slope > 0 else None}
+    return result
+
+
 def markdown(rows: list[dict]) -> str:
     lines = ["| workload | rows | GEMM GFLOP (useful / executed) | attention GFLOP | kernel ms | useful TFLOP/s | "
              "of the GEMM peak | floor at the peak, ms |", "|---|---|---|---|---|---|---|---|"]
@@ -98,9 +140,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("report", help="a bench.py JSON report")
     parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--tail", action="store_true", help="W4's P99 / mean against the work's (see above)")
     args = parser.parse_args()
     with open(args.report) as f:
-        rows = roofline(json.load(f))
+        report = json.load(f)
+    if args.tail:
+        print(json.dumps(tail(report), indent=1))
+        return
+    rows = roofline(report)
     print(markdown(rows) if args.markdown else json.dumps(rows, indent=1))
 
 

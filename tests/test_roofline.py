@@ -5,10 +5,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import bench  # noqa: E402
 import roofline  # noqa: E402
 
 from kimi_cg.models import MoonVitConfig, MoonVitPretrainedModel  # noqa: E402
@@ -70,3 +72,31 @@ def test_bench_runs_its_variants_and_small_image_stream_on_cpu(tmp_path):
     assert set(results["W5"]) == {"eager", "kimi_cg_small_buckets", "kimi_cg_max_autotune"}, results
     assert results["W5"]["kimi_cg_small_buckets"]["calls"] == 3
     assert results["W1"]["kimi_cg_max_autotune"]["rel_err_vs_eager"] < 1e-2
+
+
+def test_tail_recovers_a_fixed_cost_and_rate_and_the_streams_own_ratio():
+    """--tail on a report whose times are an exact affine function of the executed FLOPs: the fit finds it,
+    and a system with no fixed cost has the work's own P99 / mean."""
+    import statistics
+
+    from kimi_cg.config import KimiCGConfig
+    from kimi_cg.models import MoonVitConfig
+
+    config, buckets = MoonVitConfig(), KimiCGConfig().buckets()
+    executed = []
+    for grid in bench.request_stream(seed=4, count=30):
+        c = roofline.tower_flops(config, grid)
+        executed.append((c["gemm_per_row"] * roofline.executed_rows(c["rows"], buckets) + c["embed"] + c["attention"]) / 1e9)
+    report = {"extras": {"W4_fixed_times_ms": [4.0 + f / 300.0 for f in executed],
+                         "W4_proportional_times_ms": [f / 500.0 for f in executed],
+                         "W4_3d_fixed_times_ms": [1.0] * 30}}  # another workload: not read
+    result = roofline.tail(report, config, buckets)
+    assert set(result["systems"]) == {"fixed", "proportional"}
+    fixed, proportional = result["systems"]["fixed"], result["systems"]["proportional"]
+    assert abs(fixed["fixed_ms"] - 4.0) < 1e-6 and abs(fixed["executed_tflops"] - 300.0) < 1e-6
+    assert abs(fixed["correlation_with_executed_flops"] - 1.0) < 1e-9
+    work = result["work_p99_over_mean"]["executed_flops"]
+    assert abs(proportional["p99_over_mean"] - work) < 1e-9 and fixed["p99_over_mean"] < work
+    assert abs(proportional["mean_ms"] - statistics.fmean(executed) / 500.0) < 1e-9
+    with pytest.raises(ValueError, match="per-request times"):
+        roofline.tail({"extras": {}})
