@@ -20,7 +20,7 @@ host overhead (end to end minus replay) and a cProfile of its host side. The tor
 run under dynamo's stock settings (class StockDynamo). Results are written to --out after each one.
 Systems: eager, inductor, inductor_reduce_overhead, seed_style, kimi_cg, and kimi_cg variants with one
 lever off or on for same-process comparisons (KIMI_CG_VARIANTS: kimi_cg_one_length_class, kimi_cg_max_autotune,
-kimi_cg_small_buckets).
+kimi_cg_small_buckets, kimi_cg_large_buckets).
 """
 
 from __future__ import annotations
@@ -164,6 +164,7 @@ KIMI_CG_VARIANTS = {
     "kimi_cg_one_length_class": {"attention_length_classes": 1},  # NOTE [segment-length classes] off
     "kimi_cg_max_autotune": {},  # Inductor's GEMM autotuning for the device program (INDUCTOR_PATCHES)
     "kimi_cg_small_buckets": {"min_tokens": 256},  # the ladder from 256 patches: W5's requests pad less
+    "kimi_cg_large_buckets": {"max_tokens": 32768},  # W4_3d's requests over 16,384 rows replay unsplit
 }
 # Inductor configuration a variant's calls run under (its device program compiles inside its first calls).
 INDUCTOR_PATCHES = {"kimi_cg_max_autotune": {"max_autotune": True, "max_autotune_gemm": True}}
