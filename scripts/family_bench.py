@@ -183,8 +183,8 @@ def run_family(family: str, args, device: str, dtype: torch.dtype, report: dict,
         video = 0.0  # transformers 5.17's Kimi-K2.5 merger concatenates [h*w/4, t, 4] rows: one t per batch
         report["note"] = "images only: this transformers rejects a batch mixing frame counts"
     if not args.skip_fuzz:
-        kimi_cg.reset()
         torch._dynamo.reset()
+        kimi_cg.reset()  # after dynamo's reset, which drops kimi_cg's compile callbacks
         max_side = 16 if args.smoke_test_on_cpu else 64
         grids = kimi_cg.testing.grids(dims=2 if family == "moonvit" else 3, max_items=4, max_side=max_side, max_patches=4 * max_side * max_side,
                                       max_frames=4 if family == "kimi_k25" else 1, video_fraction=video,
@@ -208,8 +208,8 @@ def run_family(family: str, args, device: str, dtype: torch.dtype, report: dict,
         stream = [[[row[0], 4, 6] if len(row) == 3 else [4, 6] for row in items][:2] for items in stream]
     w1 = [[32, 32]] if not args.smoke_test_on_cpu else [[4, 4]]
     for system in [name for name in args.systems.split(",") if name not in ("", "none")]:  # none: fuzz only
-        kimi_cg.reset()
         torch._dynamo.reset()
+        kimi_cg.reset()  # after dynamo's reset, which drops kimi_cg's compile callbacks
         if system == "eager":
             fn = model
         elif system == "inductor":
