@@ -21,7 +21,8 @@ For each family:
 2. time: W1 (one 32x32-patch image) and a W4-like fresh stream (bench.py's: --requests requests of 1-8
    images, sides 8..64 patches; Kimi-K2.5 also with 20% video chunks) after bench.py's 10-request
    warm-up, for eager, torch.compile (Inductor, stock settings, dynamic shapes) and kimi_cg, all in this
-   process. Speed-ups are ratios to eager in the same process; a pass stops at --stream-budget-s.
+   process. Speed-ups are ratios to eager in the same process; a pass stops at --stream-budget-s, a
+   warm-up at --warmup-budget-s (when given).
 Writes --out after every step (fuzz, each system), so a run cut short keeps what it measured.
 """
 
@@ -219,14 +220,20 @@ def run_family(family: str, args, device: str, dtype: torch.dtype, report: dict,
         else:
             raise ValueError(f"unknown system {system!r}")
         started = time.perf_counter()
+        warmed = 0
         with torch.no_grad():
             for grid in warmup:
                 fn(*make_inputs(grid))
+                warmed += 1
+                if args.warmup_budget_s is not None and time.perf_counter() - started > args.warmup_budget_s:
+                    break
             warm_s = time.perf_counter() - started
             w1_times = [bench.timed_call(fn, *make_inputs(w1)) for _ in range(args.repeats)]
             fresh = time_stream(fn, make_inputs, stream, args.stream_budget_s)
         report[system] = {"warmup_s": warm_s, "W1_ms": statistics.median(w1_times), "W4_fresh": fresh,
                           "counters": dict(kimi_cg.counters) if system == "kimi_cg" else None}
+        if warmed < len(warmup):  # --warmup-budget-s: the stream's first requests may still compile
+            report[system]["warmup_truncated"] = f"{warmed} of {len(warmup)} warm-up requests"
         print(f"{family} {system}: warm-up {warm_s:.1f} s, W1 {report[system]['W1_ms']:.2f} ms, "
               f"W4 fresh {fresh['mean_ms']:.2f} ms/request", flush=True)
         save()
@@ -246,6 +253,9 @@ def main() -> None:
     parser.add_argument("--fuzz-examples", type=int, default=20)
     parser.add_argument("--skip-fuzz", action="store_true")
     parser.add_argument("--stream-budget-s", type=float, default=120.0)
+    parser.add_argument("--warmup-budget-s", type=float, default=None,
+                        help="stop a system's warm-up after the request that passes this many seconds (torch.compile "
+                             "recompiles for minutes); the report says how many warm-up requests ran")
     parser.add_argument("--commit", default=None, help="the commit to record (default: git rev-parse HEAD)")
     parser.add_argument("--smoke-test-on-cpu", action="store_true", help="tiny configs in fp32 on the CPU")
     parser.add_argument("--out", default=None)
