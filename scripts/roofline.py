@@ -115,13 +115,12 @@ def tail(report: dict, config: MoonVitConfig | None = None, buckets: tuple[int, 
               "systems": {}}
     for system, values in times.items():
         flops = [f / 1e9 for f in executed[:len(values)]]  # a pass cut by its time budget timed a prefix
-        mean_f, mean_t = statistics.fmean(flops), statistics.fmean(values)
-        slope = (sum((f - mean_f) * (t - mean_t) for f, t in zip(flops, values))
-                 / sum((f - mean_f) ** 2 for f in flops))
+        mean_t = statistics.fmean(values)
+        slope, fixed = statistics.linear_regression(flops, values)
         result["systems"][system] = {
             "requests": len(values), "mean_ms": mean_t, "p99_ms": p99(values), "p99_over_mean": p99(values) / mean_t,
             "correlation_with_executed_flops": statistics.correlation(flops, values),
-            "fixed_ms": mean_t - slope * mean_f, "executed_tflops": 1.0 / slope if slope > 0 else None}
+            "fixed_ms": fixed, "executed_tflops": 1.0 / slope if slope > 0 else None}
     return result
 
 

@@ -25,13 +25,12 @@ from hypothesis import strategies as st
 import kimi_cg
 import kimi_cg.testing
 from kimi_cg.testing.targets import pixel_inputs
+from program_fuzz import _INTERNAL_FALLBACKS as INTERNAL  # reasons that mean kimi_cg's own code failed
 from towers import TowerUnavailable
 from towers.transformers_towers import FACTORIES
 
 EXAMPLES = int(os.environ.get("KIMI_CG_OPTIONS_FUZZ_EXAMPLES", "6"))
 SEED = int(os.environ.get("KIMI_CG_OPTIONS_FUZZ_SEED", "20261205"))
-# Reasons in kimi_cg.fallbacks that mean kimi_cg's own code failed (tests/program_fuzz.py's list).
-INTERNAL = ("internal error", "lifted program failed", "lifted program rejects a valid input")
 
 
 def _reference(name: str):
