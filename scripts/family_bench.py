@@ -7,6 +7,13 @@
 Families (transformers' towers as shipped, default ``sdpa`` attention, random weights, bf16), and the
 reference the issue's target is relative to:
   moonvit     kimi_cg's reference MoonViT (Kimi-VL's tower, 27 x 1152, its config's attention), images
+  moonvit_upstream_sdpa, moonvit_upstream_flash
+              MoonViT as Kimi-VL's remote code ships it (tests/towers/upstream_moonvit.py: plain asserts on
+              grid values; sdpa under a block-diagonal mask set by a slice loop, or flash-attn's varlen op
+              with max_seqlen from .item() per layer), 27 x 1152, images. flash-attn is not installed on
+              the benchmark host, so the flash family's op is the test corpus's stand-in (flash-attn's
+              signature, SDPA per segment: eager pays one launch per segment and layer where flash-attn
+              pays one per layer), registered with kimi_cg.register_varlen_attention as a user would
   kimi_k25    Kimi_K25VisionModel, 27 layers x 1152 (MoonViT3d; images and 4-frame video chunks)
   qwen2_5_vl  Qwen2.5-VL-7B's tower, 32 x 1280, window attention (window 112 px, full attention in
               layers 7, 15, 23, 31)
@@ -29,6 +36,7 @@ Writes --out after every step (fuzz, each system), so a run cut short keeps what
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import statistics
@@ -47,7 +55,29 @@ import kimi_cg.testing
 PATCH, MERGE = 14, 2
 
 
+UPSTREAM = {"moonvit_upstream_sdpa": "sdpa", "moonvit_upstream_flash": "flash_attention_2"}
+IMAGES_AS_HW = ("moonvit", *UPSTREAM)  # grids of [h, w] rows, pixels [L, 3, 14, 14]
+
+
+def _upstream_moonvit():
+    """tests/towers/upstream_moonvit.py (the remote code's form), its flash stand-in registered with kimi_cg."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from towers import upstream_moonvit
+
+    kimi_cg.register_varlen_attention(upstream_moonvit.FLASH_STAND_IN, {"max_seqlen_q": "q", "max_seqlen_k": "k"},
+                                      segments=("cu_seqlens_q", "cu_seqlens_k"))
+    return upstream_moonvit
+
+
 def _config(family: str, tiny: bool):
+    if family in UPSTREAM:
+        from kimi_cg.models.moonvit import MoonVitConfig
+
+        upstream = _upstream_moonvit()
+        sizes = dataclasses.asdict(MoonVitConfig.tiny() if tiny else MoonVitConfig())
+        sizes.pop("attn_implementation", None)
+        return upstream.UpstreamMoonVitPretrainedModel, upstream.UpstreamMoonVitConfig(
+            **sizes, attn_implementation=UPSTREAM[family])
     if family == "moonvit":
         from kimi_cg.models.moonvit import MoonVitConfig, MoonVitPretrainedModel
 
@@ -110,7 +140,7 @@ def _config(family: str, tiny: bool):
 def build(family: str, tiny: bool, device: str, dtype: torch.dtype):
     model_class, config = _config(family, tiny)
     torch.manual_seed(0)
-    if family == "moonvit":
+    if family in IMAGES_AS_HW:
         model = model_class(config).eval()
     else:
         model = model_class._from_config(config, attn_implementation="sdpa").eval()
@@ -118,7 +148,7 @@ def build(family: str, tiny: bool, device: str, dtype: torch.dtype):
 
 
 def row_width(family: str, config) -> int:
-    if family in ("kimi_k25", "moonvit", "paddleocr_vl"):
+    if family in ("kimi_k25", "paddleocr_vl", *IMAGES_AS_HW):
         return 3 * PATCH * PATCH
     return config.in_channels * config.temporal_patch_size * config.patch_size * config.patch_size
 
@@ -127,7 +157,7 @@ def inputs_for(family: str, config, device: str, dtype: torch.dtype):
     width = row_width(family, config)
 
     def make_inputs(grid):
-        if family == "moonvit":  # [h, w] rows, images only
+        if family in IMAGES_AS_HW:  # [h, w] rows, images only
             grid_hw = torch.tensor([row[-2:] for row in grid], dtype=torch.int64)
             rows = int(grid_hw.prod(-1).sum())
             pixels = torch.randn(rows, 3, PATCH, PATCH, generator=torch.Generator().manual_seed(rows))
@@ -179,7 +209,7 @@ def run_family(family: str, args, device: str, dtype: torch.dtype, report: dict,
     model, config = build(family, args.smoke_test_on_cpu, device, dtype)
     make_inputs = inputs_for(family, config, device, dtype)
     video = 0.2 if family == "kimi_k25" else 0.0
-    report.update(family=family, attn_implementation=getattr(config, "attn_implementation", "sdpa") if family == "moonvit" else "sdpa")
+    report.update(family=family, attn_implementation=getattr(config, "attn_implementation", "sdpa") if family in IMAGES_AS_HW else "sdpa")
     if video and not takes_mixed_frame_counts(model, make_inputs):
         video = 0.0  # transformers 5.17's Kimi-K2.5 merger concatenates [h*w/4, t, 4] rows: one t per batch
         report["note"] = "images only: this transformers rejects a batch mixing frame counts"
@@ -187,7 +217,7 @@ def run_family(family: str, args, device: str, dtype: torch.dtype, report: dict,
         torch._dynamo.reset()
         kimi_cg.reset()  # after dynamo's reset, which drops kimi_cg's compile callbacks
         max_side = 16 if args.smoke_test_on_cpu else 64
-        grids = kimi_cg.testing.grids(dims=2 if family == "moonvit" else 3, max_items=4, max_side=max_side, max_patches=4 * max_side * max_side,
+        grids = kimi_cg.testing.grids(dims=2 if family in IMAGES_AS_HW else 3, max_items=4, max_side=max_side, max_patches=4 * max_side * max_side,
                                       max_frames=4 if family == "kimi_k25" else 1, video_fraction=video,
                                       patch_size=PATCH)
         started = time.perf_counter()

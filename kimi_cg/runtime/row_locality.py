@@ -61,6 +61,8 @@ _POINTWISE_METHODS = set(_POINTWISE_NAMES.split()) | {"__add__", "__mul__", "__s
 _PERMUTES = {"transpose", "permute", "movedim", "swapaxes", "t", "mT"}
 _RESHAPES = {"view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "expand", "expand_as", "view_as",
              "reshape_as"}
+# [..., n] complex <-> [..., n, 2] real: each element's pair stays with it (a reshape of the storage).
+_COMPLEX_VIEWS = {"view_as_real", "view_as_complex"}
 _AXIS_OPS = {"softmax", "log_softmax", "sum", "mean", "amax", "amin", "max", "min", "cumsum", "cumprod", "logsumexp",
              "norm", "var", "std", "prod", "any", "all", "argmax", "argmin", "sort", "argsort", "flip", "roll",
              "split", "chunk", "unbind", "narrow", "select", "cummax", "cummin", "split_with_sizes", "tensor_split"}
@@ -227,7 +229,7 @@ def _check(node, inputs, shapes: _Shapes, segment_inputs, group_indices=frozense
         return None
     if name in _PERMUTES and not tuple_out:
         return None  # each row's elements stay at that row's index of the moved axis
-    if name in _RESHAPES and not tuple_out:
+    if (name in _RESHAPES or name in _COMPLEX_VIEWS) and not tuple_out:
         # The same block before the row axis (in both runs): rows stay contiguous blocks, whole,
         # merged or split, never spread across another axis.
         return None if shapes.leading(first, axis_in) == shapes.leading(node, axis) else "a reshape that moves rows across axes"
