@@ -514,6 +514,37 @@ def test_a_registered_flash_op_takes_max_seqlen_as_an_upper_bound(monkeypatch):
     assert kimi_cg.counters["call_fallbacks"] == 0
 
 
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa", "flash_attention_2"])
+def test_upstream_moonvit_replays_every_call_in_each_attention_implementation(attn_implementation, monkeypatch):
+    """Kimi-VL's remote-code MoonViT in its three attention paths on the bucketed path: once its pieces
+    are traced, every device call runs padded in a bucket (a CUDA-graph replay on the GPU), none runs
+    the plain program. Found 2026-12-05: the sdpa and flash paths' RoPE table reaches the layers' piece
+    as an input and its `view_as_real` was not known to keep rows apart; the eager path's
+    `masked_fill(~mask, -inf)` + softmax attention kept its dense [1, L, L] mask (an unpadded input)."""
+    from kimi_cg import varlen_registry
+    from towers.upstream_moonvit import FLASH_STAND_IN
+
+    monkeypatch.setattr(varlen_registry, "_REGISTRY", dict(varlen_registry._REGISTRY))  # restored after the test
+    kimi_cg.register_varlen_attention(FLASH_STAND_IN, {"max_seqlen_q": "q", "max_seqlen_k": "k"},
+                                      segments=("cu_seqlens_q", "cu_seqlens_k"))
+    tower = build_tower(build_upstream_moonvit, attn_implementation)
+    compiled = torch.compile(tower.model, backend="kimi_cg", options=BUCKET_OPTIONS)
+    grids = GRIDS["upstream_moonvit"] + [[[6, 6]], [[2, 2], [4, 8], [6, 4]], [[8, 8], [2, 6]], [[10, 2]]]
+    for index, grid in enumerate(grids):
+        args = tower.make_inputs(grid)
+        before = kimi_cg.counters["eager_fallbacks"]
+        with torch.no_grad():
+            want = tower.extract_outputs(tower.model(*args))
+            got = tower.extract_outputs(compiled(*args))
+        for g, w in zip(got, want, strict=True):
+            assert g.shape == w.shape and not torch.isnan(g).any(), grid
+            assert relative_error(g, w) <= RELATIVE_TOLERANCE, (grid, relative_error(g, w))
+        if index >= 3:  # every item count of these grids traced by then
+            assert kimi_cg.counters["eager_fallbacks"] == before, (grid, dict(kimi_cg.counters))
+    assert kimi_cg.counters["lift_fallbacks"] == kimi_cg.counters["call_fallbacks"] == 0, dict(kimi_cg.counters)
+    assert kimi_cg.counters["padding_hazards"] == 0 and kimi_cg.counters["padded_runs"] > 0, dict(kimi_cg.counters)
+
+
 def test_other_compiles_unaffected_by_kimi_cg():
     result = subprocess.run(
         [sys.executable, "-P", "-c", OTHER_COMPILES_SCRIPT],

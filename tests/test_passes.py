@@ -106,6 +106,78 @@ def test_segment_attention_leaves_what_it_cannot_rewrite(fn):
     assert count(gm, operator.setitem) == before
 
 
+# Explicit attention under the block mask (the eager path of MoonViT's remote code): q, k, v [H, L, D].
+def _explicit(x, grid, masked_scores, scale=0.25, softmax_dtype=None):
+    mask = _mask(x.shape[0], _segments(grid))
+    q = x.view(x.shape[0], 2, 4).transpose(0, 1)
+    scores = (q @ q.transpose(-2, -1)) * scale
+    weights = torch.softmax(masked_scores(scores, mask), dim=-1, dtype=softmax_dtype)
+    return (weights.to(q.dtype) @ q).transpose(0, 1).reshape(x.shape[0], -1)
+
+
+def explicit_masked_fill(x, grid):
+    return _explicit(x, grid, lambda s, m: s.masked_fill(~m, float("-inf")), softmax_dtype=torch.float32)
+
+
+def explicit_where(x, grid):
+    return _explicit(x, grid, lambda s, m: torch.where(m, s, float("-inf")))
+
+
+def explicit_logical_not_lowest(x, grid):
+    return _explicit(x, grid, lambda s, m: s.masked_fill(m.logical_not(), torch.finfo(torch.float32).min), scale=1.0)
+
+
+def explicit_eq_zero_divided(x, grid):
+    mask = _mask(x.shape[0], _segments(grid))
+    q = x.view(x.shape[0], 2, 4).transpose(0, 1)
+    scores = (q @ q.transpose(-2, -1)) / 3.0
+    weights = torch.softmax(scores.masked_fill(mask == 0, float("-inf")), dim=-1)
+    return weights @ q
+
+
+def explicit_additive_bool_mask(x, grid):  # the remote code's eager bug: +1 inside a segment, every key kept
+    return _explicit(x, grid, lambda s, m: s + m)
+
+
+def explicit_finite_fill(x, grid):  # -1e4 leaves exp(-1e4 - max) > 0 possible for very negative scores: not a removal
+    return _explicit(x, grid, lambda s, m: s.masked_fill(~m, -1e4))
+
+
+def explicit_mask_kept_as_is(x, grid):  # the kept entries are where the mask is False: the complement, not the blocks
+    return _explicit(x, grid, lambda s, m: s.masked_fill(m, float("-inf")))
+
+
+def explicit_negation_read_twice(x, grid):
+    mask = _mask(x.shape[0], _segments(grid))
+    q = x.view(x.shape[0], 2, 4).transpose(0, 1)
+    outside = ~mask
+    weights = torch.softmax((q @ q.transpose(-2, -1)).masked_fill(outside, float("-inf")), dim=-1)
+    return weights @ q, outside.sum()
+
+
+@pytest.mark.parametrize("fn", [explicit_masked_fill, explicit_where, explicit_logical_not_lowest, explicit_eq_zero_divided])
+def test_segment_attention_rewrites_explicit_attention_under_a_block_mask(fn):
+    x, grid = _inputs()
+    gm = capture_graph(fn, x, grid)
+    SegmentAttentionPass()(gm)
+    assert count(gm, VARLEN) == 1
+    assert count(gm, operator.setitem) == 0 and count(gm, torch.zeros) == 0  # the dense mask is gone
+    assert not any(node.target in (torch.softmax, "softmax") for node in gm.graph.nodes)
+    torch.testing.assert_close(only_output(gm(x, grid)), fn(x, grid), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fn", [explicit_additive_bool_mask, explicit_finite_fill, explicit_mask_kept_as_is,
+                                explicit_negation_read_twice])
+def test_segment_attention_leaves_explicit_attention_that_is_not_block_masked(fn):
+    x, grid = _inputs()
+    gm = capture_graph(fn, x, grid)
+    SegmentAttentionPass()(gm)
+    assert count(gm, VARLEN) == 0 and count(gm, operator.setitem) == 2
+    want, got = fn(x, grid), gm(x, grid)
+    for g, w in zip(got if isinstance(got, (tuple, list)) else [got], want if isinstance(want, tuple) else [want]):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
 # Attention as a loop over per-segment pieces (transformers' sdpa and eager paths): q, k, v [1, H, L, D].
 def _qkv(x):
     q = x.view(1, x.shape[0], 2, 4).transpose(1, 2)

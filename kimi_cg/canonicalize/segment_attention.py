@@ -16,7 +16,18 @@ Three rewrites:
        out = out_v.transpose(-3, -2)
 
    The dense L x L mask disappears; ``segments_to_cu_seqlens`` checks on the host that the
-   segments tile [0, L) back to back (the only masks this rewrite accepts).
+   segments tile [0, L) back to back (the only masks this rewrite accepts). The same mask applied
+   to explicit attention (the eager path of MoonViT's remote code)::
+
+       scores = (q_t @ k_t.transpose(-2, -1)) * s
+       scores = scores.masked_fill(~mask, float("-inf"))      # or torch.where(mask, scores, -inf)
+       out = softmax(scores, dim=-1[, dtype]) [.to(dtype)] @ v_t
+
+   becomes the same varlen call with scale ``s``. Only a fill that removes a key from the softmax
+   is accepted (-inf, or float32's / bfloat16's lowest value: exp underflows to exactly 0 for any
+   finite score); an additive bool mask (``scores + mask``, which adds 1 inside a segment and lets
+   every row see every image: a bug in that remote code's eager path) is not a block mask and stays
+   dense, so its numbers stay eager's.
 
 2. Attention written as a loop over per-segment pieces (``torch.split(q, lengths.tolist())`` + one
    attention per piece + ``cat``, as transformers' sdpa and eager paths do): one varlen call
@@ -44,7 +55,8 @@ import torch.nn.functional as F
 from kimi_cg.capture import example_value
 from kimi_cg.canonicalize.base import GraphPass, eliminate_common_scalar_subexpressions
 from kimi_cg.errors import UnsupportedGraphError
-from kimi_cg.canonicalize.segment_loop import is_split_by_sizes, rewrite_segment_loops, sizes_to_cu_seqlens
+from kimi_cg.canonicalize.segment_loop import (is_split_by_sizes, match_eager_attention, rewrite_segment_loops,
+                                               sizes_to_cu_seqlens)
 from kimi_cg.lift import source_location
 from kimi_cg.varlen_registry import argument, registered_bounds
 
@@ -72,6 +84,57 @@ def segments_to_cu_seqlens(bounds: tuple[int, ...], total: int) -> torch.Tensor:
     return torch.tensor((0,) + tuple(ends), dtype=torch.int32)
 
 
+# Fills that take a key out of a softmax exactly: exp(fill - max) is 0 in float32 for any finite score.
+_REMOVING_FILLS = (float("-inf"), torch.finfo(torch.float32).min, torch.finfo(torch.bfloat16).min)
+
+
+def _negation_of(node) -> torch.fx.Node | None:
+    """``mask`` when ``node`` is ``~mask``, ``mask.logical_not()``, ``torch.logical_not(mask)`` or
+    ``mask == 0`` / ``mask == False`` on a bool mask."""
+    if not isinstance(node, torch.fx.Node):
+        return None
+    if (node.op == "call_function" and node.target in (operator.invert, torch.logical_not, torch.bitwise_not)) or (
+            node.op == "call_method" and node.target in ("logical_not", "bitwise_not", "__invert__")):
+        source = node.args[0] if len(node.args) == 1 else None
+    elif (node.op == "call_function" and node.target in (operator.eq, torch.eq)) or (
+            node.op == "call_method" and node.target in ("eq", "__eq__")):
+        source = node.args[0] if len(node.args) == 2 and node.args[1] is not True and node.args[1] in (0, False) else None
+    else:
+        return None
+    value = example_value(source) if isinstance(source, torch.fx.Node) else None
+    return source if isinstance(value, torch.Tensor) and value.dtype == torch.bool else None
+
+
+def _removing_fill(value) -> bool:
+    return isinstance(value, float) and value in _REMOVING_FILLS
+
+
+def _block_masked(scores: torch.fx.Node):
+    """For ``match_eager_attention``: (scores before masking, (mask, the node that reads the mask), nodes)
+    when ``scores`` keeps what a bool mask allows and removes the rest from the softmax."""
+    if not isinstance(scores, torch.fx.Node) or len(scores.users) != 1:
+        return None
+    if (scores.op == "call_method" and scores.target == "masked_fill") or (
+            scores.op == "call_function" and scores.target is torch.masked_fill):
+        if len(scores.args) != 3 or scores.kwargs or not _removing_fill(scores.args[2]):
+            return None
+        base, condition = scores.args[0], scores.args[1]
+        mask = _negation_of(condition)
+        if mask is None or len(condition.users) != 1:
+            return None
+        return base, (mask, condition), [scores, condition]
+    if scores.op == "call_function" and scores.target is torch.where and len(scores.args) == 3 and not scores.kwargs:
+        condition, base, fill = scores.args  # torch.where(mask, scores, -inf)
+    elif scores.op == "call_method" and scores.target == "where" and len(scores.args) == 3 and not scores.kwargs:
+        base, condition, fill = scores.args  # scores.where(mask, -inf)
+    else:
+        return None
+    value = example_value(condition) if isinstance(condition, torch.fx.Node) else None
+    if not (isinstance(value, torch.Tensor) and value.dtype == torch.bool and _removing_fill(fill)):
+        return None
+    return base, (condition, scores), [scores]
+
+
 def _block_mask_bounds(mask: torch.fx.Node, attention_users: set[torch.fx.Node]):
     """The (start, end) args of each ``mask[..., a:b, a:b] = True`` on a zeros mask, or None."""
     if mask.op != "call_function" or mask.target is not torch.zeros or mask.kwargs.get("dtype") is not torch.bool:
@@ -96,6 +159,11 @@ def _block_mask_bounds(mask: torch.fx.Node, attention_users: set[torch.fx.Node])
     if any(order[s] > first_attention for s in setitems) or None in bounds:
         return None
     return bounds, setitems
+
+
+def _order(graph: torch.fx.Graph):
+    positions = {node: i for i, node in enumerate(graph.nodes)}
+    return positions.__getitem__
 
 
 def _bound_argument(graph: torch.fx.Graph, node: torch.fx.Node, position: int, name: str, tensor_position: int,
@@ -133,21 +201,38 @@ class SegmentAttentionPass(GraphPass):
                 mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
                 if isinstance(mask, torch.fx.Node):
                     masks.setdefault(mask, []).append(node)
-        if masks:  # each layer rebuilds its mask from cu_seqlens[i].item(): make those values shared
+        eager: dict[torch.fx.Node, list[tuple]] = {}  # mask -> explicit attentions under it
+        for node in graph.nodes:
+            found = match_eager_attention(node, _block_masked) if node.op in ("call_function", "call_method") else None
+            if found is not None:
+                pieces, _, scale, nodes, (mask, reader) = found
+                eager.setdefault(mask, []).append((node, pieces, scale, nodes, reader))
+        if masks or eager:  # each layer rebuilds its mask from cu_seqlens[i].item(): make those values shared
             report["scalars_merged"] = eliminate_common_scalar_subexpressions(graph)
-        for mask, attentions in masks.items():
-            found = _block_mask_bounds(mask, set(attentions))
+        for mask in [*masks, *(m for m in eager if m not in masks)]:
+            attentions, explicit = masks.get(mask, []), eager.get(mask, [])
+            readers = {reader for *_, reader in explicit}
+            found = _block_mask_bounds(mask, set(attentions) | readers)
             reasons = ["the mask is not written as one block per segment"] if found is None else []
             reasons += [reason for reason in map(self._unsupported_arguments, attentions) if reason]
+            reasons += [reason for reason in (self._unsupported_pieces(pieces) for _, pieces, *_ in explicit) if reason]
             if reasons:
-                report["sdpa_left"] += [f"{node.name} ({reasons[0]}) at {source_location(node)}" for node in attentions]
+                left = [*attentions, *(output for output, *_ in explicit)]
+                report["sdpa_left"] += [f"{node.name} ({reasons[0]}) at {source_location(node)}" for node in left]
                 continue
             bounds, setitems = found
             shape = mask.args[0] if mask.args else mask.kwargs.get("size")
             total = shape[-1] if isinstance(shape, (tuple, list)) else None  # the mask's L: shared by all layers
             for node in attentions:
-                self._rewrite_sdpa(graph, node, bounds, total)
+                self._rewrite_sdpa(graph, node, node.args[:3], node.kwargs.get("scale"), bounds, total)
                 report["sdpa_rewritten"] += 1
+            for output, pieces, scale, nodes, _ in explicit:
+                self._rewrite_sdpa(graph, output, pieces, scale, bounds, total)
+                rest = [matched for matched in nodes if matched is not output]  # (output: replaced and erased)
+                for matched in sorted(rest, key=_order(graph), reverse=True):  # the attention's own nodes
+                    if not matched.users:
+                        graph.erase_node(matched)
+                report["eager_rewritten"] = report.get("eager_rewritten", 0) + 1
             for setitem in setitems:
                 graph.erase_node(setitem)
             graph.erase_node(mask)
@@ -155,7 +240,7 @@ class SegmentAttentionPass(GraphPass):
             bounds = registered_bounds(node.target) if node.op == "call_function" else None
             for position, name, tensor_position, tensor_name in bounds or ():
                 report["max_seqlen_bounded"] += _bound_argument(graph, node, position, name, tensor_position, tensor_name)
-        if report["sdpa_rewritten"] or report["segment_loops_rewritten"]:
+        if report["sdpa_rewritten"] or report["segment_loops_rewritten"] or report.get("eager_rewritten"):
             eliminate_common_scalar_subexpressions(graph, extra_pure=(segments_to_cu_seqlens, sizes_to_cu_seqlens))
         if report["sdpa_left"]:
             # Correct either way (the dense mask goes to the device); only slower and O(L^2) in memory.
@@ -180,8 +265,20 @@ class SegmentAttentionPass(GraphPass):
         return None
 
     @staticmethod
-    def _rewrite_sdpa(graph: torch.fx.Graph, node: torch.fx.Node, bounds: list, mask_length) -> None:
-        batched = example_value(node.args[0]).dim() == 4
+    def _unsupported_pieces(pieces) -> str | None:
+        """Why an explicit attention's q, k, v ([H, L, D] or [1, H, L, D]) cannot become the varlen op."""
+        query, key, value = (example_value(arg) for arg in pieces)
+        if not all(isinstance(t, torch.Tensor) for t in (query, key, value)) or not (query.shape == key.shape == value.shape):
+            return "q, k and v differ in shape"
+        if not (query.dim() == 3 or (query.dim() == 4 and query.shape[0] == 1)):
+            return "a batch of more than one sequence"
+        return None
+
+    @staticmethod
+    def _rewrite_sdpa(graph: torch.fx.Graph, node: torch.fx.Node, qkv, scale, bounds: list, mask_length) -> None:
+        """``node`` (an attention over [H, L, D] or [1, H, L, D] q, k, v under the block mask) becomes the
+        varlen op on ``qkv`` with ``scale``."""
+        batched = example_value(qkv[0]).dim() == 4
 
         def valued(inserted: torch.fx.Node, value) -> torch.fx.Node:
             # Every inserted tensor node holds its (fake) example value, as dynamo's own nodes do:
@@ -192,7 +289,7 @@ class SegmentAttentionPass(GraphPass):
 
         with graph.inserting_before(node):
             packed = []
-            for tensor in node.args[:3]:
+            for tensor in qkv:
                 value = example_value(tensor)
                 if batched:
                     value = value.squeeze(0)
@@ -200,12 +297,12 @@ class SegmentAttentionPass(GraphPass):
                 # [H, L, D] -> [L, H, D]
                 packed.append(valued(graph.call_method("transpose", (tensor, -3, -2)), value.transpose(-3, -2)))
             total = graph.call_function(torch.ops.aten.sym_size.int, (packed[0], 0))
-            total.meta["example_value"] = example_value(node.args[0]).shape[-2]
+            total.meta["example_value"] = example_value(qkv[0]).shape[-2]
             host_total = mask_length if mask_length is not None else total
             cu_seqlens = graph.call_function(segments_to_cu_seqlens, (tuple(bounds), host_total))
             cu_seqlens.meta["stack_trace"] = node.meta.get("stack_trace")
             varlen_value = torch.empty_like(example_value(packed[0]))  # the op's fake
-            out = valued(graph.call_function(_VARLEN, (*packed, cu_seqlens, total, node.kwargs.get("scale"))), varlen_value)
+            out = valued(graph.call_function(_VARLEN, (*packed, cu_seqlens, total, scale)), varlen_value)
             out = graph.call_method("transpose", (out, -3, -2))
             if batched:
                 out = valued(out, varlen_value.transpose(-3, -2))

@@ -138,6 +138,14 @@ def _transposed_last_two(node) -> torch.fx.Node | None:
 
 def _eager_form(output: torch.fx.Node):
     """Match ``matmul(softmax(matmul(q, k^T) * s) [.to / dropout], v)``: (pieces, form, scale, nodes) or None."""
+    found = match_eager_attention(output)
+    return None if found is None else found[:4]
+
+
+def match_eager_attention(output: torch.fx.Node, unmask=None):
+    """``_eager_form``'s match, with ``unmask(scores)`` -> (unmasked scores, extra, nodes) or None applied
+    between the softmax and the scale when given (segment_attention.py's masked form): (pieces, form,
+    scale, nodes, extra) or None."""
     if not _call(output, _MATMUL, {"matmul"}):
         return None
     weights, value = output.args[0], output.args[1]
@@ -163,6 +171,13 @@ def _eager_form(output: torch.fx.Node):
         return None
     softmax_dtype = weights.kwargs.get("dtype", _arg(weights, 3, "dtype") if weights.op == "call_function" else None)
     nodes.append(weights)
+    extra = None
+    if unmask is not None:
+        unmasked = unmask(scores)
+        if unmasked is None:
+            return None
+        scores, extra, mask_nodes = unmasked
+        nodes += mask_nodes
     scale = None
     if _call(scores, {operator.mul, torch.mul}, {"mul"}):
         constant = [_scalar(a) for a in scores.args]
@@ -184,7 +199,7 @@ def _eager_form(output: torch.fx.Node):
     if scale is None:
         scale = 1.0  # a bare q k^T: the kernel must not apply its default 1/sqrt(D)
     form = ("eager", scale, softmax_dtype, tuple(casts))
-    return (scores.args[0], key, value), form, scale, nodes
+    return (scores.args[0], key, value), form, scale, nodes, extra
 
 
 def _sdpa_form(output: torch.fx.Node):
