@@ -155,6 +155,13 @@ def explicit_negation_read_twice(x, grid):
     return weights @ q, outside.sum()
 
 
+def explicit_weights_returned(x, grid):  # the attention probabilities are an output too: the mask stays
+    mask = _mask(x.shape[0], _segments(grid))
+    q = x.view(x.shape[0], 2, 4).transpose(0, 1)
+    weights = torch.softmax((q @ q.transpose(-2, -1)).masked_fill(~mask, float("-inf")), dim=-1)
+    return weights @ q, weights
+
+
 @pytest.mark.parametrize("fn", [explicit_masked_fill, explicit_where, explicit_logical_not_lowest, explicit_eq_zero_divided])
 def test_segment_attention_rewrites_explicit_attention_under_a_block_mask(fn):
     x, grid = _inputs()
@@ -167,7 +174,7 @@ def test_segment_attention_rewrites_explicit_attention_under_a_block_mask(fn):
 
 
 @pytest.mark.parametrize("fn", [explicit_additive_bool_mask, explicit_finite_fill, explicit_mask_kept_as_is,
-                                explicit_negation_read_twice])
+                                explicit_negation_read_twice, explicit_weights_returned])
 def test_segment_attention_leaves_explicit_attention_that_is_not_block_masked(fn):
     x, grid = _inputs()
     gm = capture_graph(fn, x, grid)

@@ -135,6 +135,18 @@ def _block_masked(scores: torch.fx.Node):
     return base, (condition, scores), [scores]
 
 
+def _masked_part_feeds_only(output: torch.fx.Node, nodes: list[torch.fx.Node], reader: torch.fx.Node) -> bool:
+    """Whether everything computed from the mask in an explicit attention (the masked scores, the
+    softmax, its casts) is read by the attention alone: else, once the attention is rewritten, the
+    mask would still be needed (the weights returned as attention probabilities, say)."""
+    order = {node: i for i, node in enumerate(output.graph.nodes)}
+    dependent = {reader}
+    for node in sorted({*nodes, output}, key=order.__getitem__):
+        if any(arg in dependent for arg in node.all_input_nodes):
+            dependent.add(node)
+    return all(set(node.users) <= dependent for node in dependent if node is not output)
+
+
 def _block_mask_bounds(mask: torch.fx.Node, attention_users: set[torch.fx.Node]):
     """The (start, end) args of each ``mask[..., a:b, a:b] = True`` on a zeros mask, or None."""
     if mask.op != "call_function" or mask.target is not torch.zeros or mask.kwargs.get("dtype") is not torch.bool:
@@ -206,7 +218,8 @@ class SegmentAttentionPass(GraphPass):
             found = match_eager_attention(node, _block_masked) if node.op in ("call_function", "call_method") else None
             if found is not None:
                 pieces, _, scale, nodes, (mask, reader) = found
-                eager.setdefault(mask, []).append((node, pieces, scale, nodes, reader))
+                if _masked_part_feeds_only(node, nodes, reader):
+                    eager.setdefault(mask, []).append((node, pieces, scale, nodes, reader))
         if masks or eager:  # each layer rebuilds its mask from cu_seqlens[i].item(): make those values shared
             report["scalars_merged"] = eliminate_common_scalar_subexpressions(graph)
         for mask in [*masks, *(m for m in eager if m not in masks)]:
