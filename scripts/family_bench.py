@@ -225,11 +225,19 @@ def run_family(family: str, args, device: str, dtype: torch.dtype, report: dict,
             fuzz = kimi_cg.testing.assert_matches_eager(model, None, make_inputs, grids, outputs=pooled,
                                                         max_examples=args.fuzz_examples,
                                                         poison_graph_pool=device == "cuda")
+            worst = fuzz.worst
             report["fuzz"] = {"examples": fuzz.examples, "rule": fuzz.rule, "seconds": time.perf_counter() - started,
+                              "distinct_grids": fuzz.distinct_grids,
+                              "max_patches": max(kimi_cg.testing.patches(grid) for grid in fuzz.grids),
+                              "worst_error": worst.get("error"), "worst_eager_error": worst.get("eager_error"),
                               "counters": dict(kimi_cg.counters)}
         except kimi_cg.testing.MismatchError as failure:
             report["fuzz"] = {"mismatch": str(failure)[:4000], "counters": dict(kimi_cg.counters)}
-        print(f"{family}: fuzz {report['fuzz'].get('examples', 'FAILED')} examples", flush=True)
+        fuzzed = report["fuzz"]
+        counters = fuzzed["counters"]
+        print(f"{family}: fuzz {fuzzed.get('examples', 'FAILED')} examples, worst error {fuzzed.get('worst_error')} "
+              f"(eager's {fuzzed.get('worst_eager_error')}), replays {counters.get('graph_replays', 0)}, eager fallbacks "
+              f"{counters.get('eager_fallbacks', 0)}, call fallbacks {counters.get('call_fallbacks', 0)}", flush=True)
         save()
     count = 4 if args.smoke_test_on_cpu else args.requests
     warmup = bench.warmup_stream(seed=1, count=10, video_fraction=video)
@@ -255,7 +263,8 @@ def run_family(family: str, args, device: str, dtype: torch.dtype, report: dict,
             for grid in warmup:
                 fn(*make_inputs(grid))
                 warmed += 1
-                if args.warmup_budget_s is not None and time.perf_counter() - started > args.warmup_budget_s:
+                budget = args.warmup_budget_s.get(system, args.warmup_budget_s.get(""))
+                if budget is not None and time.perf_counter() - started > budget:
                     break
             warm_s = time.perf_counter() - started
             w1_times = [bench.timed_call(fn, *make_inputs(w1)) for _ in range(args.repeats)]
@@ -274,6 +283,17 @@ def run_family(family: str, args, device: str, dtype: torch.dtype, report: dict,
                 report[system]["W4_fresh_speedup"] = report["eager"]["W4_fresh"]["mean_ms"] / report[system]["W4_fresh"]["mean_ms"]
 
 
+def _budgets(text: str) -> dict:
+    """--warmup-budget-s: "60" (every system, key "") or "inductor=60,kimi_cg=300"."""
+    if "=" not in text:
+        return {"": float(text)}
+    budgets = {}
+    for part in text.split(","):
+        system, _, seconds = part.partition("=")
+        budgets[system.strip()] = float(seconds)
+    return budgets
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--families", default="moonvit,kimi_k25,qwen2_5_vl,qwen2_vl,glm4v,qwen3_vl")
@@ -283,9 +303,10 @@ def main() -> None:
     parser.add_argument("--fuzz-examples", type=int, default=20)
     parser.add_argument("--skip-fuzz", action="store_true")
     parser.add_argument("--stream-budget-s", type=float, default=120.0)
-    parser.add_argument("--warmup-budget-s", type=float, default=None,
+    parser.add_argument("--warmup-budget-s", type=_budgets, default={},
                         help="stop a system's warm-up after the request that passes this many seconds (torch.compile "
-                             "recompiles for minutes); the report says how many warm-up requests ran")
+                             "recompiles for minutes): SECONDS for every system, or SYSTEM=SECONDS,... (e.g. "
+                             "inductor=60); the report says how many warm-up requests ran")
     parser.add_argument("--commit", default=None, help="the commit to record (default: git rev-parse HEAD)")
     parser.add_argument("--smoke-test-on-cpu", action="store_true", help="tiny configs in fp32 on the CPU")
     parser.add_argument("--out", default=None)

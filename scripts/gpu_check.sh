@@ -6,6 +6,9 @@
 #   towers  transformers' towers (tiny, bf16, fuzzed; ~40 s each on the H200, 2026-12-05)
 #   real    real-size Kimi-VL / MoonViT3d fuzz and exact-size graphs
 #   cpu     the other CPU suites (foreign towers, program fuzz, reliability, testing, dumps)
+#   families  transformers' towers at real sizes (Kimi-K2.5, Qwen2.5-VL-7B, Qwen2-VL-7B, GLM-4V; bf16, random
+#           weights) fuzzed against an fp32 copy with a NaN-poisoned pool: scripts/family_bench.py --systems none
+#           (KIMI_CG_FAMILIES and KIMI_CG_FAMILY_FUZZ_EXAMPLES choose; a few minutes per family)
 # On a GPU host without internet access kimi_cg comes from a wheel built beforehand:
 #   pip wheel --no-deps --no-build-isolation -w .whl .   (and copy .whl/ along with the tree)
 set -uo pipefail
@@ -20,7 +23,7 @@ export KIMI_CG_GPU_SUMMARY="$OUT/gpu_summary.json"
 rm -f "$KIMI_CG_GPU_SUMMARY"  # the GPU tests add their cases to it, part after part
 status=0
 part=${1:-all}
-case "$part" in all|gpu|towers|real|cpu) ;; *) echo "usage: $0 [all|gpu|towers|real|cpu]" >&2; exit 2 ;; esac
+case "$part" in all|gpu|towers|real|cpu|families) ;; *) echo "usage: $0 [all|gpu|towers|real|cpu|families]" >&2; exit 2 ;; esac
 want() { [ "$part" = all ] || [ "$part" = "$1" ]; }
 # The core (CPU) suite under this machine's torch runs beside the GPU tests, on the CPU only
 # (dynamo's unbacked-integer handling differs between torch versions). Full logs go to $OUT as they
@@ -54,6 +57,11 @@ want gpu && gpu_tests gpu tests/test_gpu.py -k "not real and not transformers_to
 want gpu && gpu_tests kernels tests/test_kernels.py tests/test_varlen_attention.py tests/test_varlen_work_list.py tests/test_data_parallel.py
 want towers && gpu_tests towers tests/test_gpu.py -k transformers_tower
 want real && gpu_tests real tests/test_gpu.py -k "real or exact_size"
+if want families; then
+  (cd scripts && python3 -P family_bench.py --families "${KIMI_CG_FAMILIES:-kimi_k25,qwen2_5_vl,qwen2_vl,glm4v}" --systems none \
+    --fuzz-examples "${KIMI_CG_FAMILY_FUZZ_EXAMPLES:-8}" --out "$OUT/family_fuzz.json" > "$OUT/family_fuzz.txt" 2>&1) || status=1
+  grep -E "fuzz|Error" "$OUT/family_fuzz.txt" | tail -8
+fi
 if [ -n "$core" ]; then wait $core || status=1; tail -8 "$OUT/core_tests.txt"; fi
 if [ -n "$foreign" ]; then wait $foreign || status=1; tail -8 "$OUT/foreign_tests.txt"; fi
 if [ -n "$reliability" ]; then wait $reliability || status=1; tail -8 "$OUT/reliability_tests.txt"; fi
