@@ -361,6 +361,13 @@ def test_bucketed_qwen2_5_vl_with_inductor_programs_runs_every_call_lifted():
     assert kimi_cg.counters["lift_fallbacks"] == kimi_cg.counters["call_fallbacks"] == 0, dict(kimi_cg.counters)
 
 
+def _outputs_compiled_and_eager(tower, compiled, grid):
+    args = tower.make_inputs(grid)
+    with torch.no_grad():
+        want = tower.extract_outputs(tower.model(*args))
+        return tower.extract_outputs(compiled(*args)), want
+
+
 def test_bucketed_qwen2_5_vl_with_many_windows_replays_every_traced_call():
     """Qwen2.5-VL's window boundaries hold a segment per window (16 and more per image here, hundreds at
     real sizes): more than max_items, so before NOTE [segment tables] (kimi_cg/runtime/graphs.py) no
@@ -370,11 +377,8 @@ def test_bucketed_qwen2_5_vl_with_many_windows_replays_every_traced_call():
     compiled = torch.compile(tower.model, backend="kimi_cg", options=dict(BUCKET_OPTIONS, token_budgets=[256, 512], max_items=4))
     grids = [[[1, 16, 16]], [[1, 16, 12], [1, 6, 10]], [[1, 16, 16]], [[1, 12, 16], [1, 10, 6], [2, 4, 8]], [[1, 14, 10]]]
     for index, grid in enumerate(grids):
-        args = tower.make_inputs(grid)
         before = kimi_cg.counters["eager_fallbacks"]
-        with torch.no_grad():
-            want = tower.extract_outputs(tower.model(*args))
-            got = tower.extract_outputs(compiled(*args))
+        got, want = _outputs_compiled_and_eager(tower, compiled, grid)
         for g, w in zip(got, want):
             assert g.shape == w.shape and relative_error(g, w) <= RELATIVE_TOLERANCE, grid
         if index >= 3:  # the forward is traced by then (NOTE [settings ladder]): every call replays
@@ -531,11 +535,8 @@ def test_upstream_moonvit_replays_every_call_in_each_attention_implementation(at
     compiled = torch.compile(tower.model, backend="kimi_cg", options=BUCKET_OPTIONS)
     grids = GRIDS["upstream_moonvit"] + [[[6, 6]], [[2, 2], [4, 8], [6, 4]], [[8, 8], [2, 6]], [[10, 2]]]
     for index, grid in enumerate(grids):
-        args = tower.make_inputs(grid)
         before = kimi_cg.counters["eager_fallbacks"]
-        with torch.no_grad():
-            want = tower.extract_outputs(tower.model(*args))
-            got = tower.extract_outputs(compiled(*args))
+        got, want = _outputs_compiled_and_eager(tower, compiled, grid)
         for g, w in zip(got, want, strict=True):
             assert g.shape == w.shape and not torch.isnan(g).any(), grid
             assert relative_error(g, w) <= RELATIVE_TOLERANCE, (grid, relative_error(g, w))

@@ -270,16 +270,11 @@ class SegmentAttentionPass(GraphPass):
             return "dropout, is_causal or enable_gqa"
         if not isinstance(kwargs.get("scale"), (type(None), int, float)):
             return "a scale computed in the graph"
-        query, key, value = (example_value(arg) for arg in node.args[:3])
-        if not all(isinstance(t, torch.Tensor) for t in (query, key, value)) or not (query.shape == key.shape == value.shape):
-            return "q, k and v differ in shape"
-        if not (query.dim() == 3 or (query.dim() == 4 and query.shape[0] == 1)):
-            return "a batch of more than one sequence"
-        return None
+        return SegmentAttentionPass._unsupported_pieces(node.args[:3])
 
     @staticmethod
     def _unsupported_pieces(pieces) -> str | None:
-        """Why an explicit attention's q, k, v ([H, L, D] or [1, H, L, D]) cannot become the varlen op."""
+        """Why an attention's q, k, v ([H, L, D] or [1, H, L, D]) cannot become the varlen op."""
         query, key, value = (example_value(arg) for arg in pieces)
         if not all(isinstance(t, torch.Tensor) for t in (query, key, value)) or not (query.shape == key.shape == value.shape):
             return "q, k and v differ in shape"
