@@ -139,9 +139,8 @@ def _masked_part_feeds_only(output: torch.fx.Node, nodes: list[torch.fx.Node], r
     """Whether everything computed from the mask in an explicit attention (the masked scores, the
     softmax, its casts) is read by the attention alone: else, once the attention is rewritten, the
     mask would still be needed (the weights returned as attention probabilities, say)."""
-    order = {node: i for i, node in enumerate(output.graph.nodes)}
     dependent = {reader}
-    for node in sorted({*nodes, output}, key=order.__getitem__):
+    for node in sorted({*nodes, output}, key=_order(output.graph)):
         if any(arg in dependent for arg in node.all_input_nodes):
             dependent.add(node)
     return all(set(node.users) <= dependent for node in dependent if node is not output)
