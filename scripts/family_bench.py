@@ -61,7 +61,9 @@ IMAGES_AS_HW = ("moonvit", *UPSTREAM)  # grids of [h, w] rows, pixels [L, 3, 14,
 
 def _upstream_moonvit():
     """tests/towers/upstream_moonvit.py (the remote code's form), its flash stand-in registered with kimi_cg."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    tests = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
     from towers import upstream_moonvit
 
     kimi_cg.register_varlen_attention(upstream_moonvit.FLASH_STAND_IN, {"max_seqlen_q": "q", "max_seqlen_k": "k"},

@@ -111,8 +111,9 @@ def _removing_fill(value) -> bool:
 
 def _block_masked(scores: torch.fx.Node):
     """For ``match_eager_attention``: (scores before masking, (mask, the node that reads the mask), nodes)
-    when ``scores`` keeps what a bool mask allows and removes the rest from the softmax."""
-    if not isinstance(scores, torch.fx.Node) or len(scores.users) != 1:
+    when ``scores`` keeps what a bool mask allows and removes the rest from the softmax (who else reads
+    them: ``_masked_part_feeds_only``)."""
+    if not isinstance(scores, torch.fx.Node):
         return None
     if (scores.op == "call_method" and scores.target == "masked_fill") or (
             scores.op == "call_function" and scores.target is torch.masked_fill):
@@ -120,7 +121,7 @@ def _block_masked(scores: torch.fx.Node):
             return None
         base, condition = scores.args[0], scores.args[1]
         mask = _negation_of(condition)
-        if mask is None or len(condition.users) != 1:
+        if mask is None:
             return None
         return base, (mask, condition), [scores, condition]
     if scores.op == "call_function" and scores.target is torch.where and len(scores.args) == 3 and not scores.kwargs:
