@@ -13,6 +13,8 @@ Keys (missing keys read as 0):
                               cache (KIMI_CG_PROGRAM_CACHE; NOTE [program cache] in program_cache.py)
   program_cache_errors        entries that did not load or could not be written (the program compiles)
   host_programs_built         host metadata programs built (one per dynamo graph)
+  grid_samplers_traced_direct F.grid_sample calls traced as the kernel its composite picks (NOTE [grid
+                              sampler] in grid_sampler.py)
   metadata_cache_hits/misses  per-item host metadata lookups
   batch_cache_hits            calls whose whole host pass was reused (same grid, same weights)
   state_content_checks        state tensors compared with their snapshot (NOTE [state tokens])

@@ -85,7 +85,8 @@ unbacked h, w it guards on ``h != 64`` and graph-breaks. ``install()`` makes its
 ``list_cmp`` type-aware, as Python and torch >= 2.13 are: a compatibility shim for that one bug, a
 no-op on torch >= 2.13. The other process-wide change: NOTE [attention substitutes]
 (attention_substitutes.py), a dynamo polyfill for transformers' SDPA attention function that only
-takes another path in kimi_cg frames.
+takes another path in kimi_cg frames; NOTE [grid sampler] (grid_sampler.py), a Python kernel of
+``aten::grid_sampler`` that only skips a question dynamo cannot answer in kimi_cg frames.
 """
 
 from __future__ import annotations
@@ -132,6 +133,9 @@ def install(backend=None) -> None:
     if _on_compile_end not in handler.end_callbacks:
         handler.register_end_callback(_on_compile_end)
     _patch_list_compare()
+    from kimi_cg import grid_sampler
+
+    grid_sampler.install()  # NOTE [grid sampler]
 
 
 def installed() -> bool:
