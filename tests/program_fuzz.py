@@ -141,6 +141,9 @@ STATEMENT_OPTIONS: dict[str, dict[str, tuple]] = {
         "compare": ("none", "size", "list"),  # upstream's `[h, w] == weight.shape[:-1]` (never true) / a real value branch
         "time": ("none", "branch_free", "branch"),  # [N, 3] only: a time table added to video items
         "repeat": ("repeat", "expand"),  # [N, 3] only: how the 2D term is repeated over frames
+        # F.grid_sample at each item's pixel centres, as GLM-4V (NOTE [grid sampler]); its padding mode.
+        "method": ("interpolate", "grid_sample"),
+        "padding": ("border", "zeros", "reflection"),
     },
     # A table sliced per item: table[:h, :w], as the RoPE lookup.
     "table_slice": {
@@ -422,10 +425,19 @@ def _pos_interp(out: _Writer, s: Statement) -> None:
         out.line(f"emb = self.pos{k}.flatten(end_dim=1)", 2)
         out.line("else:", 1)
         body = 2
-    out.line(f'emb = F.interpolate({source}, size=(h, w), mode="{mode}"{align_text})', body)
-    if layout == "hwd":
+    if s.get("method") == "grid_sample":
+        out.line("ys = (torch.arange(h, dtype=torch.float32, device=x.device) + 0.5) / h * 2 - 1", body)
+        out.line("xs = (torch.arange(w, dtype=torch.float32, device=x.device) + 0.5) / w * 2 - 1", body)
+        out.line(f"points = torch.stack([xs.repeat(h), ys.repeat_interleave(w)], -1).view(1, h * w, 1, 2)"
+                 f".to(self.pos{k}.dtype)", body)
+        out.line(f'emb = F.grid_sample({source}, points, mode="{mode}", padding_mode="{s.get("padding")}", '
+                 f'align_corners={bool(align)})', body)
+        out.line("emb = emb[0, :, :, 0].t()", body)
+    elif layout == "hwd":
+        out.line(f'emb = F.interpolate({source}, size=(h, w), mode="{mode}"{align_text})', body)
         out.line("emb = emb.squeeze(0).permute(1, 2, 0).flatten(end_dim=1)", body)
     else:
+        out.line(f'emb = F.interpolate({source}, size=(h, w), mode="{mode}"{align_text})', body)
         out.line("emb = emb[0].flatten(1).t()", body)
     if out.dims == 3:
         if s.get("repeat") == "repeat":
