@@ -8,7 +8,8 @@
 #   cpu     the other CPU suites (foreign towers, program fuzz, reliability, testing, dumps)
 #   families  transformers' towers at real sizes (Kimi-K2.5, Qwen2.5-VL-7B, Qwen2-VL-7B, GLM-4V; bf16, random
 #           weights) fuzzed against an fp32 copy with a NaN-poisoned pool: scripts/family_bench.py --systems none
-#           (KIMI_CG_FAMILIES and KIMI_CG_FAMILY_FUZZ_EXAMPLES choose; a few minutes per family)
+#           (KIMI_CG_FAMILIES and KIMI_CG_FAMILY_FUZZ_EXAMPLES choose; 4 examples took 47 s for GLM-4V, 62 s for
+#           Qwen2-VL and 250 s for Qwen2.5-VL on an H100 at fd3e94d: one or two families per 10-minute call)
 # On a GPU host without internet access kimi_cg comes from a wheel built beforehand:
 #   pip wheel --no-deps --no-build-isolation -w .whl .   (and copy .whl/ along with the tree)
 set -uo pipefail
@@ -59,7 +60,7 @@ want towers && gpu_tests towers tests/test_gpu.py -k transformers_tower
 want real && gpu_tests real tests/test_gpu.py -k "real or exact_size"
 if want families; then
   (cd scripts && python3 -P family_bench.py --families "${KIMI_CG_FAMILIES:-kimi_k25,qwen2_5_vl,qwen2_vl,glm4v}" --systems none \
-    --fuzz-examples "${KIMI_CG_FAMILY_FUZZ_EXAMPLES:-8}" --out "$OUT/family_fuzz.json" > "$OUT/family_fuzz.txt" 2>&1) || status=1
+    --fuzz-examples "${KIMI_CG_FAMILY_FUZZ_EXAMPLES:-4}" --out "$OUT/family_fuzz.json" > "$OUT/family_fuzz.txt" 2>&1) || status=1
   grep -E "fuzz|Error" "$OUT/family_fuzz.txt" | tail -8
 fi
 if [ -n "$core" ]; then wait $core || status=1; tail -8 "$OUT/core_tests.txt"; fi
