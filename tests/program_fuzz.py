@@ -433,12 +433,10 @@ def _pos_interp(out: _Writer, s: Statement) -> None:
         out.line(f'emb = F.grid_sample({source}, points, mode="{mode}", padding_mode="{s.get("padding")}", '
                  f'align_corners={bool(align)})', body)
         out.line("emb = emb[0, :, :, 0].t()", body)
-    elif layout == "hwd":
-        out.line(f'emb = F.interpolate({source}, size=(h, w), mode="{mode}"{align_text})', body)
-        out.line("emb = emb.squeeze(0).permute(1, 2, 0).flatten(end_dim=1)", body)
     else:
         out.line(f'emb = F.interpolate({source}, size=(h, w), mode="{mode}"{align_text})', body)
-        out.line("emb = emb[0].flatten(1).t()", body)
+        rows = "emb.squeeze(0).permute(1, 2, 0).flatten(end_dim=1)" if layout == "hwd" else "emb[0].flatten(1).t()"
+        out.line(f"emb = {rows}", body)
     if out.dims == 3:
         if s.get("repeat") == "repeat":
             out.line("emb = emb.repeat(t, 1)", 1)
