@@ -53,6 +53,20 @@ code that fails under the full settings for a data-dependent reason and never tr
 is traced with ``SCALAR_SETTINGS`` from its next call (``dynamic_shape_op_breaks``); only when that
 fails too, ``DEMOTE_AFTER_FAILURES`` failures in all, does it get dynamo's defaults.
 
+NOTE [calls inside a frame traced again]
+While a frame runs eagerly for one call because it fails to trace now and is traced again at its
+next call (a ladder step, a demotion, a refused flash branch), dynamo compiles the frames it calls as
+frames of their own (its blocks, its helpers): pieces that the next call, which traces the whole frame,
+no longer uses. Lifted as usual, each would compile a device program and capture every bucket on its
+first call (Qwen2.5-VL's blocks: up to 55 s each on an H100, 2026-12-05) for one call's use. So the
+end callback records the failed code with the frame that called it, and a lifted graph called while
+that code runs on the stack under that same caller (``inside_a_frame_traced_again``) runs as dynamo
+captured it (``calls_inside_frames_traced_again``). The record goes at the code's next compile (its
+eager run is over) or ``kimi_cg.reset()``; it holds the caller frame, not its id, since an id can be
+reused by a later frame. The same code run eagerly by another caller, or the nested graph called from
+anywhere else, runs lifted. Only failures that happen once per code record it: a frame failing at
+every call (an invalid input) leaves its nested pieces lifted, as they serve every call.
+
 If the stack lookup of step 2 ever fails (a torch release that renames ``_compile``), kimi_cg
 frames trace with dynamo's defaults: correct, with graph breaks; ``kimi_cg.counters["graph_breaks"]``
 and a warning say so.
@@ -119,6 +133,8 @@ _traced_with_settings: "weakref.WeakSet" = weakref.WeakSet()  # code objects tra
 _failures_with_settings: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # code -> data-dependent failures
 _codes_to_trace_again: "weakref.WeakSet" = weakref.WeakSet()  # failed codes dynamo marked SKIP
 _codes_without_flash_path: "weakref.WeakSet" = weakref.WeakSet()  # NOTE [flash path] refused for these
+# NOTE [calls inside a frame traced again]: code -> the frame that called it when its trace failed
+_eager_runs: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _state = threading.local()
 
 
@@ -192,6 +208,8 @@ def _on_compile_start(_args) -> None:
     local_vars = _compile_frame_locals()
     if local_vars is None or not _is_kimi_cg(local_vars.get("compiler_fn")):
         return
+    if _eager_runs:
+        _eager_runs.pop(local_vars.get("code"), None)  # its eager run is over: it is being traced again
     if torch._dynamo.config.recompile_limit < MIN_RECOMPILE_LIMIT:
         logger.info("kimi_cg raises torch._dynamo.config.recompile_limit to %d in this thread", MIN_RECOMPILE_LIMIT)
         torch._dynamo.config.recompile_limit = MIN_RECOMPILE_LIMIT
@@ -229,6 +247,7 @@ def _on_compile_end(_args) -> None:
         counters["flash_path_refusals"] += 1
         record_fallback("kimi_cg refused transformers' flash branch", where, str(refusal),
                         "this call runs the frame eagerly; from the next call it is traced on its sdpa branch")
+        _note_eager_run(code)
         _suppress_errors_once()
         _trace_again_next_call(error, code)
         return
@@ -249,12 +268,14 @@ def _on_compile_end(_args) -> None:
         record_fallback("dynamo failed to trace this call", where, summary,
                         "this call runs the frame eagerly; from the next call ops with data-dependent output sizes "
                         "break its graph (NOTE [settings ladder])")
+        _note_eager_run(code)
     elif failures >= DEMOTE_AFTER_FAILURES:
         _traced_with_scalars.discard(code)
         _traced_with_defaults.add(code)
         counters["dynamo_setting_fallbacks"] += 1
         record_fallback("dynamo failed with kimi_cg's settings", where, summary,
                         "this frame runs eagerly now and is traced with dynamo's default settings from the next call")
+        _note_eager_run(code)
     else:
         # An op failing on these inputs (eager fails the same way, e.g. an empty batch): the frame
         # runs eagerly so that the caller sees eager's own error; the next call traces it again.
@@ -262,6 +283,35 @@ def _on_compile_end(_args) -> None:
         record_fallback("dynamo failed to trace this call", where, summary, "this call runs the frame eagerly")
     _suppress_errors_once()
     _trace_again_next_call(error, code)
+
+
+def _note_eager_run(code) -> None:
+    """NOTE [calls inside a frame traced again]: ``code`` runs eagerly in this call and is traced
+    again at its next; remembers which frame called it (the frame above dynamo's callback)."""
+    if code is None:
+        return
+    frame = sys._getframe(1)
+    filename = getattr(sys.modules.get("torch._dynamo.convert_frame"), "__file__", None)
+    while frame is not None and not (frame.f_code.co_name == "_compile" and frame.f_code.co_filename == filename):
+        frame = frame.f_back
+    while frame is not None and frame.f_code.co_filename == filename:  # _compile and dynamo's callback above it
+        frame = frame.f_back
+    if frame is not None:
+        _eager_runs[code] = frame
+
+
+def inside_a_frame_traced_again() -> bool:
+    """NOTE [calls inside a frame traced again]: whether this thread is inside the eager run of a
+    frame whose trace failed in this call and that is traced again at its next call."""
+    if not _eager_runs:
+        return False
+    frame = sys._getframe(1)
+    while frame is not None:
+        caller = _eager_runs.get(frame.f_code)
+        if caller is not None and caller is frame.f_back:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _mark_leading_dims_dynamic(code, frame_locals) -> list:
@@ -442,6 +492,7 @@ def clear() -> None:
     _traced_with_settings.clear()
     _failures_with_settings.clear()
     _codes_without_flash_path.clear()
+    _eager_runs.clear()
     _restore_suppress_errors()
 
 

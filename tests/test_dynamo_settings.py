@@ -238,6 +238,74 @@ def test_a_frame_failing_on_a_data_dependent_length_is_traced_with_that_op_as_a_
     assert kimi_cg.counters["dynamo_graphs"] >= 2 and kimi_cg.counters["graph_breaks"] >= 1, dict(kimi_cg.counters)
 
 
+class RowsPerItem(torch.nn.Module):
+    """A block given the packed rows and the grid: lifted when dynamo traces it as a frame of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x, grid):
+        scale = torch.repeat_interleave(grid[:, 0].float(), grid.prod(-1), output_size=x.shape[0])
+        return self.proj(x) * scale[:, None]
+
+
+class SegmentPerFrameWithABlock(SegmentPerFrame):
+    """SegmentPerFrame that first calls a nested module: while the first call runs the forward eagerly
+    (its ladder step), dynamo compiles the block as a frame of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = RowsPerItem()
+
+    def forward(self, x, grid):
+        return super().forward(self.block(x, grid), grid)
+
+
+def test_graphs_traced_inside_a_frame_run_eagerly_for_one_call_run_as_captured():
+    """NOTE [calls inside a frame traced again]: the block's graph, traced while the forward's first call
+    runs eagerly, runs as dynamo captured it (no device program run, no bucket); the next calls trace the
+    forward whole and run lifted."""
+    model = SegmentPerFrameWithABlock()
+    compiled = torch.compile(model, backend="kimi_cg", options={"cuda_graphs": True, "token_budgets": [32, 64, 128]})
+    lifted_runs = ("padded_runs", "graph_replays", "eager_fallbacks")
+    for call, grid in enumerate(([[1, 4, 6]], [[2, 2, 4], [1, 6, 2]], [[3, 2, 2], [1, 4, 4]], [[1, 4, 6]])):
+        grid = torch.tensor(grid)
+        x = torch.randn(int(grid.prod(-1).sum()), 8)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x, grid), model(x, grid))
+        if call == 0:
+            assert kimi_cg.counters["dynamic_shape_op_breaks"] >= 1, dict(kimi_cg.counters)  # this forward, super()'s
+            assert kimi_cg.counters["calls_inside_frames_traced_again"] == 1, dict(kimi_cg.counters)
+            assert sum(kimi_cg.counters[k] for k in lifted_runs) == 0, dict(kimi_cg.counters)
+    assert not dynamo_settings.inside_a_frame_traced_again()
+    assert kimi_cg.counters["calls_inside_frames_traced_again"] == 1, dict(kimi_cg.counters)
+    assert kimi_cg.counters["padded_runs"] >= 3 and kimi_cg.counters["eager_fallbacks"] == 0, dict(kimi_cg.counters)
+
+
+def test_the_same_frame_run_eagerly_by_another_call_is_not_taken_for_its_failed_run():
+    """Only the failed call's own eager run counts: the forward's code run again outside torch.compile
+    (a plain call of the module, its block compiled on its own) leaves the block's graph lifted."""
+    model = SegmentPerFrameWithABlock()
+    options = {"cuda_graphs": True, "token_budgets": [32, 64, 128]}
+    compiled = torch.compile(model, backend="kimi_cg", options=options)
+    grid = torch.tensor([[1, 4, 6]])
+    x = torch.randn(24, 8)
+    with torch.no_grad():
+        want = model(x, grid)
+        compiled(x, grid)  # the forward fails to trace and runs eagerly; it is traced again at its next call
+        assert kimi_cg.counters["calls_inside_frames_traced_again"] == 1, dict(kimi_cg.counters)
+        block = model.block
+        model.block = torch.compile(block, backend="kimi_cg", options=options)
+        try:
+            got = model(x, grid)  # the forward's code, eagerly, by another caller
+        finally:
+            model.block = block
+    torch.testing.assert_close(got, want)
+    assert kimi_cg.counters["calls_inside_frames_traced_again"] == 1, dict(kimi_cg.counters)
+    assert kimi_cg.counters["padded_runs"] >= 1, dict(kimi_cg.counters)
+
+
 class FailsOnAnEmptyBatch(torch.nn.Module):
     def forward(self, x, grid):
         return x.reshape(x.shape[0], -1) * grid.shape[0]

@@ -171,8 +171,8 @@ def test_exact_size_graphs_made_and_dropped_do_not_grow_memory():
 
 # Frame counts per item in the fuzz: transformers 5.17's Kimi-K2.5 temporal merger needs one t per batch
 # (images only); GLM-4V takes one [1, h, w] row per frame; the Qwen towers take 2-temporal-patch
-# videos. Qwen2.5-VL's first calls run eagerly and then unpadded while its forward is traced (NOTE
-# [settings ladder]; tests/test_foreign_towers.py's FALLBACKS_WHILE_TRACING). PaddleOCR-VL and HunYuan-VL
+# videos. Qwen2.5-VL's first calls run eagerly while its forward is traced (NOTE [settings ladder]), the
+# graphs traced inside them as dynamo captured them (NOTE [calls inside a frame traced again]). PaddleOCR-VL and HunYuan-VL
 # (images) keep their rows on dim 1 (NOTE [rows on dim 1] in kimi_cg/capture.py); HunYuan-VL's embeddings
 # run eagerly (README), its layers replay.
 FOREIGN_GPU_TOWERS = {"kimi_k25": 0.0, "qwen2_vl": 0.3, "qwen2_5_vl": 0.3, "glm4v": 0.0, "qwen3_vl": 0.3,

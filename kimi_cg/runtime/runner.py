@@ -11,6 +11,7 @@ import torch
 import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from kimi_cg import dynamo_settings
 from kimi_cg.counters import counters
 from kimi_cg.errors import InvalidInputError, UnsupportedGraphError
 from kimi_cg.fallback import record_fallback
@@ -75,6 +76,8 @@ class LiftedRunner:
             if torch.is_grad_enabled() and self.fallback is not None and self._needs_gradients(args):
                 _note(record, path="captured graph", reason="gradients needed")
                 return self._run_for_autograd(args)
+            if self.fallback is not None and dynamo_settings.inside_a_frame_traced_again():
+                return self._run_inside_a_frame_traced_again(args, record)
             if self.fallback is None:
                 return self._run_lifted(args, record)
             try:
@@ -89,6 +92,15 @@ class LiftedRunner:
                 logger.debug("kimi_cg call [%s]: %s", self.dump.entry["compile_id"] if self.dump else "?", record)
                 if self.dump is not None:
                     self.dump.record_call(record)
+
+    def _run_inside_a_frame_traced_again(self, args, record):
+        """NOTE [calls inside a frame traced again]: a frame up the stack runs eagerly in this call and
+        is traced whole at its next; this graph, a piece of it, runs as dynamo captured it instead of
+        compiling its device program and capturing its buckets for this call's use. Its calls from
+        anywhere else run lifted."""
+        counters["calls_inside_frames_traced_again"] += 1
+        _note(record, path="captured graph", reason="inside a frame that runs eagerly and is traced again at its next call")
+        return self.fallback(*args)
 
     @staticmethod
     def _needs_gradients(args) -> bool:
