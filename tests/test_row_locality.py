@@ -40,3 +40,29 @@ def test_complex_views_do_not_hide_an_op_across_rows():
     table = torch.polar(torch.ones(6, 4), torch.randn(6, 4))
     assert "an op along the row axis" in _hazard(mixes, table)
     assert _hazard(flattens_rows, table) is not None
+
+
+def test_grouped_key_value_heads_repeated_per_query_head_keep_rows_apart():
+    """Grouped key/value heads ([1, H_kv, L, D] -> [1, H, L, D] by repeat_interleave on the head axis, as
+    transformers' flash branch needs them and EXAONE 4.5's tower has them) stay row-local; a repeat along
+    the rows, or by a tensor of counts, does not."""
+    def heads(k):
+        return k.repeat_interleave(2, dim=1).sum(-1)
+
+    def heads_function(k):
+        return torch.repeat_interleave(k, 2, 1) * 2
+
+    def along_rows(k):
+        return k.repeat_interleave(2, dim=2)[:, :, : k.shape[2]]
+
+    def by_counts(k):
+        return k.repeat_interleave(torch.tensor([1, 2]), dim=1)
+
+    def without_dim(k):
+        return k.repeat_interleave(2)[: k.numel()].view(k.shape)
+
+    k = torch.randn(1, 2, 6, 4)
+    assert _hazard(heads, k) is None
+    assert _hazard(heads_function, k) is None
+    for fn in (along_rows, by_counts, without_dim):
+        assert _hazard(fn, k) is not None, fn.__name__

@@ -270,6 +270,13 @@ def _check(node, inputs, shapes: _Shapes, segment_inputs, group_indices=frozense
             return None if all(axes_in[t][0] == axis_in for t in tensors) else "a stack of rows on different axes"
         dim = dim + rank_in if dim < 0 else dim
         return "a cat along the row axis" if dim == axis_in else None
+    if name == "repeat_interleave":
+        # Each element repeated a fixed count along another axis (grouped key/value heads read by
+        # several query heads): a row's copies stay at that row's index.
+        repeats = node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
+        dims = _dims(node, rank_in, 2)
+        ok = node.args[0] in inputs and isinstance(repeats, int) and isinstance(dims, set) and axis_in not in dims
+        return None if ok else "a repeat_interleave along the row axis or by a tensor of counts"
     if name in _AXIS_OPS:
         position = 2 if name in ("split", "chunk", "split_with_sizes", "tensor_split") else 1
         dims = _dims(node, rank_in, position)
