@@ -116,6 +116,17 @@ GRIDS = {
     "qwen3_omni_moe": [[[1, 4, 6]], [[1, 4, 4], [1, 6, 2]], [[2, 2, 4], [1, 10, 4]]],
     "glm4v_moe": [[[1, 4, 6]], [[1, 4, 4], [1, 6, 2]], [[1, 12, 10], [1, 12, 10]]],
     "glm_image": [[[1, 4, 6]], [[1, 4, 4], [1, 6, 2]], [[1, 2, 4], [1, 10, 4]]],
+    # Towers new in transformers 5.25: Qwen-style rows, a video of 2 temporal patches where they take one.
+    "qwen2_5_omni": [[[1, 4, 6]], [[1, 4, 4], [1, 6, 2]], [[2, 4, 4], [1, 6, 4]]],
+    "qwen3_5_moe": [[[1, 4, 6]], [[1, 4, 4], [1, 6, 2]], [[2, 2, 4], [1, 10, 4]]],
+    "exaone4_5": [[[1, 4, 6]], [[1, 4, 4], [1, 6, 2]], [[2, 4, 4], [1, 6, 4]]],
+    "glm5_next": [[[1, 4, 6]], [[1, 4, 4], [1, 6, 2]], [[2, 2, 4], [1, 10, 4]]],
+    "cosmos3_edge": [[[1, 4, 6]], [[1, 4, 4], [1, 6, 2]], [[2, 4, 4], [1, 6, 4]]],
+    "minimax_m3_vl": [[[1, 4, 6]], [[1, 4, 4], [1, 6, 2]], [[2, 4, 4], [1, 6, 4]]],
+    "qwen4_exp": [[[1, 4, 6]], [[1, 4, 4], [1, 6, 2]], [[2, 2, 4], [1, 10, 4]]],
+    "cohere_compass": [[[1, 4, 6]], [[1, 4, 4], [1, 6, 2]], [[1, 2, 4], [1, 10, 4]]],
+    "muse_glimmer": [[[1, 4, 6]], [[1, 4, 4], [1, 6, 2]], [[2, 4, 4], [1, 6, 4]]],
+    "muse_spark": [[[1, 4, 6]], [[1, 4, 4], [1, 6, 2]], [[2, 4, 4], [1, 6, 4]]],
     # Ovis2.5: windows of 2 x 2 merged tokens; 6 x 2 and 10 x 4 leave partial windows.
     "ovis2_5": [[[1, 4, 6]], [[1, 4, 4], [1, 6, 2]], [[1, 8, 8], [1, 10, 4]]],
     # [h, w] rows (Kimi-VL has images only).
@@ -216,7 +227,8 @@ BUCKET_OPTIONS = {"cuda_graphs": True, "token_budgets": [32, 64, 128, 256]}
 # on dim 1 (NOTE [rows on dim 1] in kimi_cg/capture.py), padded there.
 REPLAYS_EVERY_CALL = {"kimi_k25", "qwen2_vl", "qwen2_5_vl", "glm4v", "qwen3_vl", "qwen3_5", "glm_ocr", "ernie4_5_vl",
                       "video_llama_3", "paddleocr_vl", "hunyuan_vl", "qwen3_vl_moe", "qwen3_omni_moe", "glm4v_moe",
-                      "glm_image", "ovis2_5"}
+                      "glm_image", "ovis2_5", "qwen2_5_omni", "qwen3_5_moe", "exaone4_5", "glm5_next", "cosmos3_edge",
+                      "minimax_m3_vl", "qwen4_exp", "cohere_compass", "muse_glimmer", "muse_spark"}
 # Device-program calls (replays or plain runs) per tower call once traced: the pieces around graph
 # breaks, not one per layer. Kimi-K2.5 breaks at `int(t > 1)`; Qwen2-VL and GLM-4V are one piece, the
 # whole forward on its flash branch (NOTE [flash path] in kimi_cg/attention_substitutes.py).
@@ -224,7 +236,9 @@ REPLAYS_EVERY_CALL = {"kimi_k25", "qwen2_vl", "qwen2_5_vl", "glm4v", "qwen3_vl",
 # inside that eager run (its blocks, permute_input_for_window_attn) run as dynamo captured them, not as
 # device programs (NOTE [calls inside a frame traced again]). Once the forward is traced, every call replays.
 DEVICE_CALLS_PER_CALL = {"kimi_k25": 2, "qwen2_vl": 1, "qwen2_5_vl": 1, "glm4v": 1, "qwen3_vl": 1, "qwen3_5": 1, "glm_ocr": 1,
-                         "paddleocr_vl": 1, "qwen3_vl_moe": 1, "qwen3_omni_moe": 1, "glm4v_moe": 1, "glm_image": 1}
+                         "paddleocr_vl": 1, "qwen3_vl_moe": 1, "qwen3_omni_moe": 1, "glm4v_moe": 1, "glm_image": 1,
+                         "qwen2_5_omni": 1, "qwen3_5_moe": 1, "exaone4_5": 1, "glm5_next": 1, "cosmos3_edge": 1,
+                         "minimax_m3_vl": 1, "qwen4_exp": 1, "cohere_compass": 1, "muse_glimmer": 2, "muse_spark": 2}
 # Device programs per piece (a frame dynamo traces, read from the debug dump): the static first trace and
 # the dynamic one. Qwen2.5-VL's nested permute_input_for_window_attn, traced on its own while the forward
 # runs eagerly, is called with the hidden states and the rotary table: static, dynamic rows, dynamic
@@ -233,15 +247,18 @@ DEVICE_CALLS_PER_CALL = {"kimi_k25": 2, "qwen2_vl": 1, "qwen2_5_vl": 1, "glm4v":
 # on their flash branch (NOTE [flash path]): window and full-attention layers pass cu_seqlens of other
 # lengths (two static traces), then dynamic rows. transformers 5.17 names that block frame `__call__`
 # (GradientCheckpointingLayer's), later releases `forward_with_checkpointing`.
-# Ovis2.5's window and full-attention blocks are traced alike (its forward runs in dynamo's glue first).
-PROGRAMS_PER_PIECE = {("qwen2_5_vl", "permute_input_for_window_attn"): 3, ("qwen2_5_vl", "forward_with_checkpointing"): 3,
-                      ("qwen2_5_vl", "__call__"): 3, ("ovis2_5", "forward_with_checkpointing"): 3,
-                      ("ovis2_5", "__call__"): 3}
+# Ovis2.5's window and full-attention blocks are traced alike (its forward runs in dynamo's glue first),
+# and so are the towers that share Qwen2.5-VL's window code (Qwen2.5-Omni, EXAONE 4.5, Muse-Glimmer / -Spark).
+WINDOW_TOWERS = {"qwen2_5_vl", "ovis2_5", "qwen2_5_omni", "exaone4_5", "muse_glimmer", "muse_spark"}
+PROGRAMS_PER_PIECE = {(tower, frame): 3 for tower in WINDOW_TOWERS
+                      for frame in ("permute_input_for_window_attn", "forward_with_checkpointing", "__call__")}
 
 
 @pytest.mark.parametrize("tower_name", ["kimi_k25", "qwen2_vl", "qwen2_5_vl", "glm4v", "qwen3_vl", "qwen3_5", "glm_ocr",
                                         "hunyuan_vl", "ernie4_5_vl", "video_llama_3", "paddleocr_vl",
                                         "qwen3_vl_moe", "qwen3_omni_moe", "glm4v_moe", "glm_image", "ovis2_5",
+                                        "qwen2_5_omni", "qwen3_5_moe", "exaone4_5", "glm5_next", "cosmos3_edge",
+                                        "minimax_m3_vl", "qwen4_exp", "cohere_compass", "muse_glimmer", "muse_spark",
                                         "upstream_moonvit"])
 def test_bucketed_path_matches_eager(tower_name, tmp_path):
     from kimi_cg.debug.dump import read_index

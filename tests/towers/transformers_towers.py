@@ -396,6 +396,195 @@ def build_lfm3_vl(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
     return Tower(f"lfm3_vl[{attn_implementation}]", model, _qwen_style_inputs(3, seed), tensors_of)
 
 
+# Towers new in transformers 5.25 (skipped on releases without them), probed 2026-12-05.
+
+
+def build_qwen2_5_omni(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
+    """transformers' Qwen2.5-Omni vision encoder: Qwen2.5-VL's tower (windows of 2 x 2 merged tokens in
+    layer 0, full attention in layer 1) and rows; its last_hidden_state stays in window order."""
+    config_class, model_class = _load("qwen2_5_omni", "Qwen2_5OmniVisionEncoderConfig", "Qwen2_5OmniVisionEncoder")
+    config = config_class(**TINY_VISION, window_size=2 * MERGE * PATCH, fullatt_block_indexes=[LAYERS - 1])
+    model = _build(model_class, config, attn_implementation, seed)
+    return Tower(f"qwen2_5_omni[{attn_implementation}]", model, _qwen_style_inputs(3, seed), tensors_of)
+
+
+def build_qwen3_5_moe(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
+    """transformers' Qwen3.5-MoE vision tower (Qwen3.5's tower under another name)."""
+    config_class, model_class = _load("qwen3_5_moe", "Qwen3_5MoeVisionConfig", "Qwen3_5MoeVisionModel")
+    config = config_class(**TINY_VISION, num_position_embeddings=64)
+    model = _build(model_class, config, attn_implementation, seed)
+    return Tower(f"qwen3_5_moe[{attn_implementation}]", model, _qwen_style_inputs(3, seed), tensors_of)
+
+
+def build_exaone4_5(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
+    """transformers' EXAONE 4.5 vision tower: Qwen2.5-VL's layout and rows (window attention in layer 0,
+    full attention in layer 1) with grouped key/value heads (4 query heads over 2)."""
+    config_class, model_class = _load("exaone4_5", "Exaone4_5_VisionConfig", "Exaone4_5_VisionModel")
+    config = config_class(**TINY_VISION, window_size=2 * MERGE * PATCH, fullatt_block_indexes=[LAYERS - 1],
+                          num_key_value_heads=HEADS // 2)
+    model = _build(model_class, config, attn_implementation, seed)
+    return Tower(f"exaone4_5[{attn_implementation}]", model, _qwen_style_inputs(3, seed), tensors_of)
+
+
+def build_glm5_next(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
+    """transformers' GLM-5-Next vision tower: Qwen-style rows, per-frame attention with q/k RMSNorm and
+    axial RoPE, a strided-convolution downsample and a clamped-SwiGLU merger."""
+    config_class, model_class = _load("glm5_next", "Glm5NextVisionConfig", "Glm5NextVisionModel")
+    config = config_class(**TINY_VISION, image_size=8 * PATCH, projection_intermediate_size=INTERMEDIATE)
+    model = _build(model_class, config, attn_implementation, seed)
+    return Tower(f"glm5_next[{attn_implementation}]", model, _qwen_style_inputs(3, seed), tensors_of)
+
+
+def build_cosmos3_edge(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
+    """transformers' Cosmos3-Edge vision tower (SigLIP2 NaViT): pixel_values [L, 3*p*p], one patch per row,
+    grid_thw [N, 3]; an 8 x 8 learned position table resized per item (antialiased bilinear, in a loop
+    over the grid), per-frame attention."""
+    config_class, model_class = _load("cosmos3_edge", "Cosmos3EdgeVisionConfig", "Cosmos3EdgeVisionModel")
+    config = config_class(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
+                          num_attention_heads=HEADS, num_channels=3, patch_size=PATCH, num_patches=64,
+                          spatial_merge_size=MERGE)
+    model = _build(model_class, config, attn_implementation, seed)
+    return Tower(f"cosmos3_edge[{attn_implementation}]", model, _qwen_style_inputs(3, seed, temporal_patch=1),
+                 tensors_of)
+
+
+def build_minimax_m3_vl(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
+    """transformers' MiniMax-M3-VL vision tower: Qwen-style rows, a Conv3d patch embedding, 3D axial RoPE,
+    one attention segment per item (a video chunk of t temporal patches attends jointly); no merger (the
+    projector merges). Its layers keep a [1, L, D] batch dim."""
+    config_class, model_class = _load("minimax_m3_vl", "MiniMaxM3VLVisionConfig", "MiniMaxM3VLVisionModel")
+    config = config_class(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
+                          num_attention_heads=HEADS, num_channels=3, image_size=8 * PATCH, patch_size=PATCH,
+                          temporal_patch_size=TEMPORAL_PATCH, spatial_merge_size=MERGE)
+    model = _build(model_class, config, attn_implementation, seed)
+    return Tower(f"minimax_m3_vl[{attn_implementation}]", model, _qwen_style_inputs(3, seed), tensors_of)
+
+
+def build_qwen4_exp(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
+    """transformers' Qwen4-Exp vision tower: Qwen3.5's layout (8 x 8 table resampled bilinearly, per-frame
+    attention, a merger) with axial 2D RoPE."""
+    config_class, model_class = _load("qwen4_exp", "Qwen4ExpVisionConfig", "Qwen4ExpVisionModel")
+    config = config_class(**TINY_VISION, num_position_embeddings=64)
+    model = _build(model_class, config, attn_implementation, seed)
+    return Tower(f"qwen4_exp[{attn_implementation}]", model, _qwen_style_inputs(3, seed), tensors_of)
+
+
+def build_cohere_compass(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
+    """transformers' Cohere Compass vision tower: Qwen3-VL's layout (deepstack merger after layer 0) with
+    axial 2D RoPE; images only (its input_modalities)."""
+    config_class, model_class = _load("cohere_compass", "CohereCompassVisionConfig", "CohereCompassVisionModel")
+    config = config_class(**TINY_VISION, num_position_embeddings=64, deepstack_visual_indexes=[0])
+    model = _build(model_class, config, attn_implementation, seed)
+    return Tower(f"cohere_compass[{attn_implementation}]", model, _qwen_style_inputs(3, seed), tensors_of)
+
+
+def _build_muse(model_name: str, prefix: str, attn_implementation: str, seed: int) -> Tower:
+    config_class, model_class = _load(model_name, f"{prefix}VisionConfig", f"{prefix}VisionModel")
+    config = config_class(patch_size=PATCH, pos_emb_height=4, pos_emb_width=4, max_position_embeddings=16,
+                          num_attention_heads=HEADS, num_hidden_layers=LAYERS, hidden_size=HIDDEN,
+                          intermediate_size=INTERMEDIATE, patch_temporal=TEMPORAL_PATCH, merge_size=MERGE,
+                          layer_types=["window_attention", "full_attention"])
+    model = _build(model_class, config, attn_implementation, seed)
+    return Tower(f"{model_name}[{attn_implementation}]", model, _qwen_style_inputs(3, seed), tensors_of)
+
+
+def build_muse_glimmer(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
+    """transformers' Muse-Glimmer vision tower: Qwen-style rows through a linear patch embedding, a 4 x 4
+    learned table resampled per patch (grid_sample), Qwen2.5-VL-style window attention in layer 0, per-frame
+    attention in layer 1, a pixel-shuffle gather (2 x 2 blocks) at the end. Images and videos."""
+    return _build_muse("muse_glimmer", "MuseGlimmer", attn_implementation, seed)
+
+
+def build_muse_spark(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
+    """transformers' Muse-Spark vision tower (Muse-Glimmer's tower under another name)."""
+    return _build_muse("muse_spark", "MuseSpark", attn_implementation, seed)
+
+
+def build_dots3_note(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
+    """transformers' dots3.note vision tower: pixel_values [L, 3*p*p], one patch per row, grid_thw [N, 3];
+    per-frame attention, axial RoPE, layer 1 a routed MoE (4 experts, top 2)."""
+    config_class, model_class = _load("dots3_note", "Dots3NoteVisionConfig", "Dots3NoteVisionModel")
+    config = config_class(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
+                          num_attention_heads=HEADS, num_channels=3, patch_size=PATCH, spatial_merge_size=MERGE,
+                          moe_intermediate_size=INTERMEDIATE, num_experts_per_tok=2,
+                          pyramid_num_routed=[-1] * (LAYERS - 1) + [4],
+                          adapter_in_dim=HIDDEN, adapter_out_dim=OUT_HIDDEN, adapter_merge_size=MERGE)
+    model = _build(model_class, config, attn_implementation, seed)
+    return Tower(f"dots3_note[{attn_implementation}]", model, _qwen_style_inputs(3, seed, temporal_patch=1),
+                 tensors_of)
+
+
+def build_inkling2(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
+    """transformers' Inkling-2 vision tower: images; pixel_values [M, m*p, m*p, 3], one row per merged token,
+    and image_grid_thw [N, 3] counted in merged tokens (grid rows here are in patches, divided by the merge
+    size); one class token inserted before each image."""
+    config_class, model_class = _load("inkling2", "Inkling2VisionConfig", "Inkling2VisionModel")
+    config = config_class(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
+                          num_attention_heads=HEADS, num_channels=3, patch_size=PATCH, spatial_merge_size=MERGE,
+                          posemb_grid_size=8, projection_hidden_dim=INTERMEDIATE, text_hidden_size=OUT_HIDDEN)
+    model = _build(model_class, config, attn_implementation, seed)
+
+    def make_inputs(grid: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        grid_thw = _grid_tensor(grid)
+        if bool((grid_thw[:, 0] != 1).any()):
+            raise ValueError(f"Inkling-2 takes images only (t == 1); got {grid}")
+        merged = grid_thw // torch.tensor([1, MERGE, MERGE])
+        tokens = int(merged.prod(dim=-1).sum())
+        generator = torch.Generator().manual_seed(seed + tokens)
+        return torch.rand(tokens, MERGE * PATCH, MERGE * PATCH, 3, generator=generator) * 2 - 1, merged
+
+    return Tower(f"inkling2[{attn_implementation}]", model, make_inputs, tensors_of)
+
+
+def _build_minicpm(model_name: str, prefix: str, attn_implementation: str, seed: int) -> Tower:
+    config_class, model_class = _load(model_name, f"{prefix}VisionConfig", f"{prefix}VisionModel")
+    config = config_class(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
+                          num_attention_heads=HEADS, num_channels=3, image_size=8 * PATCH, patch_size=PATCH,
+                          insert_layer_id=0, window_kernel_size=(2, 2))
+    model = _build(model_class, config, attn_implementation, seed)
+
+    def make_inputs(grid: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        grid_thw = _grid_tensor(grid)
+        if bool((grid_thw[:, 0] != 1).any()):
+            raise ValueError(f"{model_name} takes images only (t == 1); got {grid}")
+        rows = int(grid_thw.prod(dim=-1).sum())
+        generator = torch.Generator().manual_seed(seed + rows)
+        return torch.randn(1, 3, PATCH, rows * PATCH, generator=generator), grid_thw[:, 1:].to(torch.int32)
+
+    return Tower(f"{model_name}[{attn_implementation}]", model, make_inputs, tensors_of)
+
+
+def build_minicpm_ocr(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
+    """transformers' MiniCPM-OCR vision tower (MiniCPM-V 4.6's tower and inputs under another name)."""
+    return _build_minicpm("minicpm_ocr", "MiniCPMOcr", attn_implementation, seed)
+
+
+def build_minicpmv4_7(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
+    """transformers' MiniCPM-V 4.7 vision tower (MiniCPM-V 4.6's tower and inputs under another name)."""
+    return _build_minicpm("minicpmv4_7", "MiniCPMV4_7", attn_implementation, seed)
+
+
+def build_radio(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
+    """transformers' C-RADIO (RadioModel) on its packed path: pixel_values [L, 3*p*p], image_grid_hw [N, 2]
+    (images only); per image an 8 x 8 position table resized and class / register rows inserted."""
+    config_class, model_class = _load("radio", "RadioConfig", "RadioModel")
+    config = config_class(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                          mlp_ratio=INTERMEDIATE / HIDDEN, num_channels=3, patch_size=PATCH, image_size=8 * PATCH,
+                          max_img_size=8 * PATCH, num_cls_tokens=2, num_registers=1)
+    model = _build(model_class, config, attn_implementation, seed)
+
+    def make_inputs(grid: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        grid_thw = _grid_tensor(grid)
+        if bool((grid_thw[:, 0] != 1).any()):
+            raise ValueError(f"RADIO's packed path takes images only (t == 1); got {grid}")
+        rows = int(grid_thw.prod(dim=-1).sum())
+        generator = torch.Generator().manual_seed(seed + rows)
+        return torch.randn(rows, 3 * PATCH * PATCH, generator=generator), grid_thw[:, 1:].contiguous()
+
+    return Tower(f"radio[{attn_implementation}]", model, make_inputs, tensors_of)
+
+
+
 # Towers probed for correctness only (tests/test_foreign_towers.py, test_probed_towers_match_eager): equal to
 # eager, not (fully) graphed; the README says why for each.
 PROBED_FACTORIES = {
@@ -403,6 +592,11 @@ PROBED_FACTORIES = {
     "minicpmv4_6": build_minicpmv4_6,
     "hy_v4_vl": build_hy_v4_vl,
     "lfm3_vl": build_lfm3_vl,
+    "minicpm_ocr": build_minicpm_ocr,
+    "minicpmv4_7": build_minicpmv4_7,
+    "dots3_note": build_dots3_note,
+    "inkling2": build_inkling2,
+    "radio": build_radio,
 }
 
 
@@ -424,4 +618,14 @@ FACTORIES = {
     "glm4v_moe": build_glm4v_moe,
     "glm_image": build_glm_image,
     "ovis2_5": build_ovis2_5,
+    "qwen2_5_omni": build_qwen2_5_omni,
+    "qwen3_5_moe": build_qwen3_5_moe,
+    "exaone4_5": build_exaone4_5,
+    "glm5_next": build_glm5_next,
+    "cosmos3_edge": build_cosmos3_edge,
+    "minimax_m3_vl": build_minimax_m3_vl,
+    "qwen4_exp": build_qwen4_exp,
+    "cohere_compass": build_cohere_compass,
+    "muse_glimmer": build_muse_glimmer,
+    "muse_spark": build_muse_spark,
 }
