@@ -61,9 +61,9 @@ no longer uses. Lifted as usual, each would compile a device program and capture
 first call (Qwen2.5-VL's blocks: up to 55 s each on an H100, 2026-12-05) for one call's use. So the
 end callback records the failed code with the frame that called it, and a lifted graph called while
 that code runs on the stack under that same caller (``inside_a_frame_traced_again``) runs as dynamo
-captured it (``calls_inside_frames_traced_again``). The record goes at the code's next compile (its
-eager run is over) or ``kimi_cg.reset()``; it holds the caller frame, not its id, since an id can be
-reused by a later frame. The same code run eagerly by another caller, or the nested graph called from
+captured it (``calls_inside_frames_traced_again``). The record goes at the code's next compile, at
+the first lifted call of its thread made with the caller off the stack (the eager run is over), or at
+``kimi_cg.reset()``; it holds the caller frame, not its id, since an id can be reused by a later frame. The same code run eagerly by another caller, or the nested graph called from
 anywhere else, runs lifted. Only failures that happen once per code record it: a frame failing at
 every call (an invalid input) leaves its nested pieces lifted, as they serve every call.
 
@@ -297,7 +297,7 @@ def _note_eager_run(code) -> None:
     while frame is not None and frame.f_code.co_filename == filename:  # _compile and dynamo's callback above it
         frame = frame.f_back
     if frame is not None:
-        _eager_runs[code] = frame
+        _eager_runs[code] = (frame, threading.get_ident())
 
 
 def inside_a_frame_traced_again() -> bool:
@@ -305,12 +305,22 @@ def inside_a_frame_traced_again() -> bool:
     frame whose trace failed in this call and that is traced again at its next call."""
     if not _eager_runs:
         return False
-    frame = sys._getframe(1)
+    frame, on_stack = sys._getframe(1), set()
     while frame is not None:
-        caller = _eager_runs.get(frame.f_code)
-        if caller is not None and caller is frame.f_back:
+        entry = _eager_runs.get(frame.f_code)
+        if entry is not None and entry[0] is frame.f_back:
             return True
+        on_stack.add(id(frame))
         frame = frame.f_back
+    # A record of this thread whose caller is not on the stack: that eager run is over (the caller is
+    # held, so its id is no other frame's). Dropping it early only lifts the nested graphs, as before.
+    thread = threading.get_ident()
+    try:
+        finished = [code for code, (caller, owner) in _eager_runs.items() if owner == thread and id(caller) not in on_stack]
+    except RuntimeError:  # another thread changed the records meanwhile: look again at the next call
+        return False
+    for code in finished:
+        _eager_runs.pop(code, None)
     return False
 
 

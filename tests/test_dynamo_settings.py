@@ -304,6 +304,7 @@ def test_the_same_frame_run_eagerly_by_another_call_is_not_taken_for_its_failed_
     torch.testing.assert_close(got, want)
     assert kimi_cg.counters["calls_inside_frames_traced_again"] == 1, dict(kimi_cg.counters)
     assert kimi_cg.counters["padded_runs"] >= 1, dict(kimi_cg.counters)
+    assert not dynamo_settings._eager_runs  # that lifted call found the failed call's eager run over
 
 
 class FailsOnAnEmptyBatch(torch.nn.Module):
