@@ -214,6 +214,40 @@ def loop_eager(x, grid):
     return torch.cat(outs, dim=1).reshape(x.shape[0], -1)
 
 
+def _repeat_kv(t, groups):
+    """transformers' repeat_kv, as its towers write it."""
+    batch, heads, rows, width = t.shape
+    return t[:, :, None, :, :].expand(batch, heads, groups, rows, width).reshape(batch, heads * groups, rows, width)
+
+
+def _grouped_pieces(x, grid, value_heads=1):
+    """q with 2 heads, k with 1 and v with ``value_heads``, cut per segment."""
+    lengths = (grid[:, 0] * grid[:, 1]).tolist()
+    q = x.view(1, x.shape[0], 2, 4).transpose(1, 2)
+    k = (x[:, :4] * 0.5).reshape(1, x.shape[0], 1, 4).transpose(1, 2)
+    v = (x[:, 8 - 4 * value_heads:] + 1.0).reshape(1, x.shape[0], value_heads, 4).transpose(1, 2)
+    return zip(*[torch.split(t, lengths, dim=2) for t in (q, k, v)])
+
+
+def loop_eager_grouped(x, grid):
+    """The eager loop with grouped key/value heads (EXAONE 4.5's tower): one k / v head for 2 query heads."""
+    outs = []
+    for q, k, v in _grouped_pieces(x, grid):
+        weights = torch.matmul(q, _repeat_kv(k, 2).transpose(2, 3)) * 0.5
+        weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(q.dtype)
+        outs.append(torch.matmul(weights, _repeat_kv(v, 2)).transpose(1, 2).contiguous())
+    return torch.cat(outs, dim=1).reshape(x.shape[0], -1)
+
+
+def loop_grouped_keys_only(x, grid):
+    """Keys grouped, values not: a valid attention, but not one varlen call with one head layout."""
+    outs = []
+    for q, k, v in _grouped_pieces(x, grid, value_heads=2):
+        weights = (torch.matmul(q, _repeat_kv(k, 2).transpose(2, 3)) * 0.5).softmax(-1)
+        outs.append(torch.matmul(weights, v))
+    return torch.cat(outs, dim=2)
+
+
 def loop_causal(x, lengths):
     return torch.cat([F.scaled_dot_product_attention(q, k, v, is_causal=True) for q, k, v in _pieces(x, lengths)], dim=2)
 
@@ -272,7 +306,7 @@ def run_graph(gm, x, grid):
     return gm(*args)
 
 
-@pytest.mark.parametrize("fn", [loop_sdpa, loop_eager])
+@pytest.mark.parametrize("fn", [loop_sdpa, loop_eager, loop_eager_grouped])
 def test_segment_attention_rewrites_an_attention_loop_over_split_pieces(fn):
     x, grid = _loop_inputs(as_lengths=_lengths_given(fn))
     gm = capture_graph(fn, x, grid, dynamic=True if _lengths_given(fn) else None)
@@ -288,7 +322,7 @@ def test_segment_attention_rewrites_an_attention_loop_over_split_pieces(fn):
 
 
 @pytest.mark.parametrize("fn", [loop_causal, loop_scales_differ, loop_joined_on_heads, loop_weights_also_returned,
-                                loop_pieces_crossed])
+                                loop_pieces_crossed, loop_grouped_keys_only])
 def test_segment_attention_leaves_loops_that_are_not_one_varlen_attention(fn):
     x, grid = _loop_inputs(((1, 3), (3, 1)), as_lengths=_lengths_given(fn))  # equal lengths: a cat on heads runs
     gm = capture_graph(fn, x, grid, dynamic=True if _lengths_given(fn) else None)
@@ -313,7 +347,7 @@ class LoopAttentionTower(torch.nn.Module):
         return self.proj_out(self.form(h, grid) + h)
 
 
-@pytest.mark.parametrize("form", [loop_eager])
+@pytest.mark.parametrize("form", [loop_eager, loop_eager_grouped])
 def test_a_tower_with_an_attention_loop_is_lifted_and_matches_eager(form):
     torch._dynamo.reset()
     kimi_cg.reset()

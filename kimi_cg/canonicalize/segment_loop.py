@@ -20,7 +20,9 @@ of sizes, the loop is replaced by::
 Attention forms (``p`` = q_i, k_i, v_i of shape [1, H, n, D]):
   sdpa:   ``scaled_dot_product_attention(q, k, v, scale=s)`` (no mask, no dropout, not causal, no GQA)
   eager:  ``matmul(q, k.transpose(-2, -1)) * s`` (or ``/ c``) -> ``softmax(dim=-1[, dtype])`` ->
-          ``.to(dtype)`` / ``dropout(p=0 or training=False)`` (any of them) -> ``matmul(., v)``
+          ``.to(dtype)`` / ``dropout(p=0 or training=False)`` (any of them) -> ``matmul(., v)``;
+          k and v may be grouped heads widened by transformers' ``repeat_kv`` (``[:, :, None]`` ->
+          ``expand`` -> ``reshape``), which becomes one ``repeat_interleave`` on the packed k and v
 The epilogue between the attention output and the ``cat`` may transpose, make contiguous, clone or
 cast; it is the same for every segment and is applied once to the packed result, and the ``cat``
 must join the pieces along the axis the sequence lands on.
@@ -198,8 +200,49 @@ def match_eager_attention(output: torch.fx.Node, unmask=None):
     nodes += [scores, scores.args[1]]
     if scale is None:
         scale = 1.0  # a bare q k^T: the kernel must not apply its default 1/sqrt(D)
-    form = ("eager", scale, softmax_dtype, tuple(casts))
+    (key, key_groups, key_nodes), (value, value_groups, value_nodes) = _repeated_heads(key), _repeated_heads(value)
+    if key_groups != value_groups:
+        return None
+    nodes += key_nodes + value_nodes
+    form = ("eager", scale, softmax_dtype, tuple(casts), key_groups)
     return (scores.args[0], key, value), form, scale, nodes, extra
+
+
+def _repeated_heads(node: torch.fx.Node):
+    """transformers' ``repeat_kv`` (grouped key/value heads read by ``groups`` query heads each)::
+
+        x[:, :, None, :, :].expand(b, h, groups, n, d).reshape(b, h * groups, n, d)
+
+    -> (x, groups, its nodes); (node, 1, []) for anything else."""
+    reshaped = node
+    if not _call(reshaped, {torch.reshape}, {"reshape", "view"}):
+        return node, 1, []
+    expanded = reshaped.args[0]
+    if not _call(expanded, (), {"expand"}) or len(expanded.users) != 1:
+        return node, 1, []
+    indexed = expanded.args[0]
+    if not _call(indexed, {operator.getitem}) or len(indexed.users) != 1:
+        return node, 1, []
+    source, index = indexed.args
+    whole = slice(None, None, None)
+    if index != (whole, whole, None, whole, whole):
+        return node, 1, []
+    values = [example_value(n) for n in (source, indexed, expanded, reshaped)]
+    if not all(isinstance(v, torch.Tensor) for v in values) or values[0].dim() != 4:
+        return node, 1, []
+    base, _, wide, out = values
+    batch, heads, rows, width = base.shape
+    if wide.dim() != 5 or tuple(wide.shape) != (batch, heads, wide.shape[2], rows, width):
+        return node, 1, []
+    groups = wide.shape[2]
+    if not isinstance(groups, int) or tuple(out.shape) != (batch, heads * groups, rows, width):
+        return node, 1, []
+    return source, groups, [reshaped, expanded, indexed]
+
+
+def _groups(form: tuple) -> int:
+    """Query heads per key / value head of a matched form (the eager form's repeat_kv), else 1."""
+    return form[4] if form[0] == "eager" else 1
 
 
 def _sdpa_form(output: torch.fx.Node):
@@ -290,8 +333,11 @@ def _loop_problem(cat, parts, segments) -> str | None:
     if len(axes) != 1 or not all(isinstance(v, torch.Tensor) and v.dim() == 4 for v in values):
         return "q, k and v are not 4-D tensors cut along one axis"
     axis = axes.pop()
-    if axis != 2 or any(v.shape[0] != 1 for v in values) or not (values[0].shape == values[1].shape == values[2].shape):
-        return "expected q, k, v of one shape [1, H, L, D] cut along L"
+    groups = _groups(first.form)
+    query, key, value = values
+    if axis != 2 or any(v.shape[0] != 1 for v in values) or not (
+            key.shape == value.shape and query.shape[1] == key.shape[1] * groups and query.shape[2:] == key.shape[2:]):
+        return "expected q, k, v of one shape [1, H, L, D] cut along L (k, v: H / groups heads)"
     for index, segment in enumerate(segments):
         if segment.form != first.form or [_epilogue_signature(n) for n in segment.epilogue] != [_epilogue_signature(n) for n in first.epilogue]:
             return f"piece {index} computes a different attention or epilogue"
@@ -359,6 +405,9 @@ def _rewrite(graph: torch.fx.Graph, cat: torch.fx.Node, segments: list[_Segment]
 
     with graph.inserting_before(cat):
         packed = [method("transpose", method("squeeze", split.args[0], 0), 0, 1) for split in splits]
+        groups = _groups(first.form)
+        if groups > 1:  # [L, H / groups, D] -> [L, H, D]: query head h reads key / value head h // groups
+            packed[1:] = [method("repeat_interleave", tensor, groups, 1) for tensor in packed[1:]]
         total = graph.call_function(torch.ops.aten.sym_size.int, (packed[0], 0))
         total.meta["example_value"] = query.shape[2]
         cu_seqlens = graph.call_function(sizes_to_cu_seqlens, (sizes, total))
