@@ -141,7 +141,7 @@ GRIDS = {
 # a ratchet, so a change that stops lifting one fails here. Kimi-VL's MoonViT with the flash stand-in
 # needs its op registered (test_a_registered_flash_op_takes_max_seqlen_as_an_upper_bound).
 NO_LIFT_FALLBACK = {f"{name}-{attn}" for name in ("kimi_k25", "qwen2_vl", "qwen2_5_vl", "glm4v", "qwen3_vl", "upstream_moonvit")
-                    for attn in ("sdpa", "eager")} | {"paddleocr_vl-sdpa"}
+                    for attn in ("sdpa", "eager")} | {"paddleocr_vl-sdpa", "exaone4_5-sdpa", "exaone4_5-eager"}
 # Towers known not to lift (README's table says why): correct through dynamo's graph. Checked, so that a
 # change that lifts one shows up here and the README is updated.
 NOT_LIFTED = {"pixtral-sdpa"}
@@ -159,6 +159,11 @@ CASES = [
     # Pixtral is not lifted (README): it crops each image's patches out of the padded batch's convolution
     # output, data movement per item from several tensors; dynamo's graph runs, equal to eager.
     pytest.param(TRANSFORMERS_FACTORIES["pixtral"], "pixtral", "sdpa", id="pixtral-sdpa"),
+] + [
+    # EXAONE 4.5 (transformers 5.25): Qwen2.5-VL's windows with grouped key/value heads, repeated per query
+    # head on the flash branch (sdpa) and by repeat_kv inside each segment of the split loop (eager).
+    pytest.param(TRANSFORMERS_FACTORIES["exaone4_5"], "exaone4_5", attn, id=f"exaone4_5-{attn}")
+    for attn in ("sdpa", "eager")
 ] + [
     pytest.param(build_upstream_moonvit, "upstream_moonvit", attn, id=f"upstream_moonvit-{attn}")
     for attn in ("eager", "sdpa", "flash_attention_2")
