@@ -287,7 +287,10 @@ def test_bucketed_path_matches_eager(tower_name, tmp_path):
     assert kimi_cg.counters["lift_fallbacks"] == kimi_cg.counters["call_fallbacks"] == 0, dict(kimi_cg.counters)
     assert kimi_cg.counters["flash_path_refusals"] == 0, dict(kimi_cg.counters)  # NOTE [flash path]
     last_call = {k: kimi_cg.counters[k] - n for k, n in fallbacks.items()}  # traced by then
-    if tower_name in REPLAYS_EVERY_CALL:  # no call ran unpadded (the last one, or none at all)
+    # transformers 5.17's MiniMax-M3-VL tower attends over the whole packed batch (no per-item segments, no
+    # `merge_temporal`): padding rows would reach real ones, so its calls run the plain program (correct).
+    replays = tower_name in REPLAYS_EVERY_CALL and (tower_name != "minimax_m3_vl" or hasattr(tower.model, "merge_temporal"))
+    if replays:  # no call ran unpadded (the last one, or none at all)
         assert last_call["eager_fallbacks"] == 0, dict(kimi_cg.counters)
         assert kimi_cg.counters["eager_fallbacks"] == 0, dict(kimi_cg.counters)
     if tower_name in DEVICE_CALLS_PER_CALL:  # the last grid's call, traced by then
