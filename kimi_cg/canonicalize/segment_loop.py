@@ -232,12 +232,15 @@ def _repeated_heads(node: torch.fx.Node):
         return node, 1, []
     base, _, wide, out = values
     batch, heads, rows, width = base.shape
-    if wide.dim() != 5 or tuple(wide.shape) != (batch, heads, wide.shape[2], rows, width):
+    groups = wide.shape[2] if wide.dim() == 5 else None
+    if not isinstance(groups, int):
         return node, 1, []
-    groups = wide.shape[2]
-    if not isinstance(groups, int) or tuple(out.shape) != (batch, heads * groups, rows, width):
-        return node, 1, []
-    return source, groups, [reshaped, expanded, indexed]
+    try:  # sizes may be unbacked symbols: equal ones compare without a guard, others may not decide
+        same = (tuple(wide.shape) == (batch, heads, groups, rows, width)
+                and tuple(out.shape) == (batch, heads * groups, rows, width))
+    except Exception:  # noqa: BLE001 - undecidable: not the pattern as far as this pass can tell
+        same = False
+    return (source, groups, [reshaped, expanded, indexed]) if same else (node, 1, [])
 
 
 def _groups(form: tuple) -> int:
