@@ -356,22 +356,7 @@ def build_minicpmv4_6(attn_implementation: str = "sdpa", seed: int = 0) -> Tower
     """transformers' MiniCPM-V 4.6 vision tower (SigLIP-NaViT): every patch of every image packed along the
     width of one image, pixel_values [1, 3, p, L * p], and target_sizes [N, 2] (h, w in patches, int32);
     a window merge inside the tower (``insert_layer_id``). Grid rows are [1, h, w]."""
-    config_class, model_class = _load("minicpmv4_6", "MiniCPMV4_6VisionConfig", "MiniCPMV4_6VisionModel")
-    config = config_class(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
-                          num_attention_heads=HEADS, num_channels=3, image_size=8 * PATCH, patch_size=PATCH,
-                          insert_layer_id=0, window_kernel_size=(2, 2))
-    model = _build(model_class, config, attn_implementation, seed)
-
-    def make_inputs(grid: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        grid_thw = _grid_tensor(grid)
-        if bool((grid_thw[:, 0] != 1).any()):
-            raise ValueError(f"MiniCPM-V takes images only (t == 1); got {grid}")
-        rows = int(grid_thw.prod(dim=-1).sum())
-        generator = torch.Generator().manual_seed(seed + rows)
-        pixels = torch.randn(1, 3, PATCH, rows * PATCH, generator=generator)
-        return pixels, grid_thw[:, 1:].to(torch.int32)
-
-    return Tower(f"minicpmv4_6[{attn_implementation}]", model, make_inputs, tensors_of)
+    return _build_minicpm("minicpmv4_6", "MiniCPMV4_6", attn_implementation, seed)
 
 
 def build_hy_v4_vl(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
@@ -399,40 +384,41 @@ def build_lfm3_vl(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
 # Towers new in transformers 5.25 (skipped on releases without them), probed 2026-12-05.
 
 
+def _qwen_rows_tower(model_name: str, config_class_name: str, model_class_name: str, attn_implementation: str,
+                     seed: int, **config_fields) -> Tower:
+    """A tower on Qwen-style rows ([L, C*Tp*p*p], grid_thw [N, 3]) from its tiny config fields."""
+    config_class, model_class = _load(model_name, config_class_name, model_class_name)
+    model = _build(model_class, config_class(**config_fields), attn_implementation, seed)
+    return Tower(f"{model_name}[{attn_implementation}]", model, _qwen_style_inputs(3, seed), tensors_of)
+
+
 def build_qwen2_5_omni(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
     """transformers' Qwen2.5-Omni vision encoder: Qwen2.5-VL's tower (windows of 2 x 2 merged tokens in
     layer 0, full attention in layer 1) and rows; its last_hidden_state stays in window order."""
-    config_class, model_class = _load("qwen2_5_omni", "Qwen2_5OmniVisionEncoderConfig", "Qwen2_5OmniVisionEncoder")
-    config = config_class(**TINY_VISION, window_size=2 * MERGE * PATCH, fullatt_block_indexes=[LAYERS - 1])
-    model = _build(model_class, config, attn_implementation, seed)
-    return Tower(f"qwen2_5_omni[{attn_implementation}]", model, _qwen_style_inputs(3, seed), tensors_of)
+    return _qwen_rows_tower("qwen2_5_omni", "Qwen2_5OmniVisionEncoderConfig", "Qwen2_5OmniVisionEncoder",
+                            attn_implementation, seed, **TINY_VISION, window_size=2 * MERGE * PATCH,
+                            fullatt_block_indexes=[LAYERS - 1])
 
 
 def build_qwen3_5_moe(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
     """transformers' Qwen3.5-MoE vision tower (Qwen3.5's tower under another name)."""
-    config_class, model_class = _load("qwen3_5_moe", "Qwen3_5MoeVisionConfig", "Qwen3_5MoeVisionModel")
-    config = config_class(**TINY_VISION, num_position_embeddings=64)
-    model = _build(model_class, config, attn_implementation, seed)
-    return Tower(f"qwen3_5_moe[{attn_implementation}]", model, _qwen_style_inputs(3, seed), tensors_of)
+    return _qwen_rows_tower("qwen3_5_moe", "Qwen3_5MoeVisionConfig", "Qwen3_5MoeVisionModel", attn_implementation, seed,
+                            **TINY_VISION, num_position_embeddings=64)
 
 
 def build_exaone4_5(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
     """transformers' EXAONE 4.5 vision tower: Qwen2.5-VL's layout and rows (window attention in layer 0,
     full attention in layer 1) with grouped key/value heads (4 query heads over 2)."""
-    config_class, model_class = _load("exaone4_5", "Exaone4_5_VisionConfig", "Exaone4_5_VisionModel")
-    config = config_class(**TINY_VISION, window_size=2 * MERGE * PATCH, fullatt_block_indexes=[LAYERS - 1],
-                          num_key_value_heads=HEADS // 2)
-    model = _build(model_class, config, attn_implementation, seed)
-    return Tower(f"exaone4_5[{attn_implementation}]", model, _qwen_style_inputs(3, seed), tensors_of)
+    return _qwen_rows_tower("exaone4_5", "Exaone4_5_VisionConfig", "Exaone4_5_VisionModel", attn_implementation, seed,
+                            **TINY_VISION, window_size=2 * MERGE * PATCH, fullatt_block_indexes=[LAYERS - 1],
+                            num_key_value_heads=HEADS // 2)
 
 
 def build_glm5_next(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
     """transformers' GLM-5-Next vision tower: Qwen-style rows, per-frame attention with q/k RMSNorm and
     axial RoPE, a strided-convolution downsample and a clamped-SwiGLU merger."""
-    config_class, model_class = _load("glm5_next", "Glm5NextVisionConfig", "Glm5NextVisionModel")
-    config = config_class(**TINY_VISION, image_size=8 * PATCH, projection_intermediate_size=INTERMEDIATE)
-    model = _build(model_class, config, attn_implementation, seed)
-    return Tower(f"glm5_next[{attn_implementation}]", model, _qwen_style_inputs(3, seed), tensors_of)
+    return _qwen_rows_tower("glm5_next", "Glm5NextVisionConfig", "Glm5NextVisionModel", attn_implementation, seed,
+                            **TINY_VISION, image_size=8 * PATCH, projection_intermediate_size=INTERMEDIATE)
 
 
 def build_cosmos3_edge(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
@@ -452,30 +438,25 @@ def build_minimax_m3_vl(attn_implementation: str = "sdpa", seed: int = 0) -> Tow
     """transformers' MiniMax-M3-VL vision tower: Qwen-style rows, a Conv3d patch embedding, 3D axial RoPE,
     one attention segment per item (a video chunk of t temporal patches attends jointly); no merger (the
     projector merges). Its layers keep a [1, L, D] batch dim."""
-    config_class, model_class = _load("minimax_m3_vl", "MiniMaxM3VLVisionConfig", "MiniMaxM3VLVisionModel")
-    config = config_class(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
-                          num_attention_heads=HEADS, num_channels=3, image_size=8 * PATCH, patch_size=PATCH,
-                          temporal_patch_size=TEMPORAL_PATCH, spatial_merge_size=MERGE)
-    model = _build(model_class, config, attn_implementation, seed)
-    return Tower(f"minimax_m3_vl[{attn_implementation}]", model, _qwen_style_inputs(3, seed), tensors_of)
+    return _qwen_rows_tower("minimax_m3_vl", "MiniMaxM3VLVisionConfig", "MiniMaxM3VLVisionModel", attn_implementation,
+                            seed, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
+                            num_attention_heads=HEADS, num_channels=3, image_size=8 * PATCH, patch_size=PATCH,
+                            temporal_patch_size=TEMPORAL_PATCH, spatial_merge_size=MERGE)
 
 
 def build_qwen4_exp(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
     """transformers' Qwen4-Exp vision tower: Qwen3.5's layout (8 x 8 table resampled bilinearly, per-frame
     attention, a merger) with axial 2D RoPE."""
-    config_class, model_class = _load("qwen4_exp", "Qwen4ExpVisionConfig", "Qwen4ExpVisionModel")
-    config = config_class(**TINY_VISION, num_position_embeddings=64)
-    model = _build(model_class, config, attn_implementation, seed)
-    return Tower(f"qwen4_exp[{attn_implementation}]", model, _qwen_style_inputs(3, seed), tensors_of)
+    return _qwen_rows_tower("qwen4_exp", "Qwen4ExpVisionConfig", "Qwen4ExpVisionModel", attn_implementation, seed,
+                            **TINY_VISION, num_position_embeddings=64)
 
 
 def build_cohere_compass(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
     """transformers' Cohere Compass vision tower: Qwen3-VL's layout (deepstack merger after layer 0) with
     axial 2D RoPE; images only (its input_modalities)."""
-    config_class, model_class = _load("cohere_compass", "CohereCompassVisionConfig", "CohereCompassVisionModel")
-    config = config_class(**TINY_VISION, num_position_embeddings=64, deepstack_visual_indexes=[0])
-    model = _build(model_class, config, attn_implementation, seed)
-    return Tower(f"cohere_compass[{attn_implementation}]", model, _qwen_style_inputs(3, seed), tensors_of)
+    return _qwen_rows_tower("cohere_compass", "CohereCompassVisionConfig", "CohereCompassVisionModel",
+                            attn_implementation, seed, **TINY_VISION, num_position_embeddings=64,
+                            deepstack_visual_indexes=[0])
 
 
 def _build_muse(model_name: str, prefix: str, attn_implementation: str, seed: int) -> Tower:
