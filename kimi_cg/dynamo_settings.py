@@ -63,8 +63,8 @@ end callback records the failed code with the frame that called it, and a lifted
 that code runs on the stack under that same caller (``inside_a_frame_traced_again``) runs as dynamo
 captured it (``calls_inside_frames_traced_again``). The record goes at the code's next compile, at
 the first lifted call of its thread made with the caller off the stack (the eager run is over), or at
-``kimi_cg.reset()``; it holds the caller frame, not its id, since an id can be reused by a later frame. The same code run eagerly by another caller, or the nested graph called from
-anywhere else, runs lifted. Only failures that happen once per code record it: a frame failing at
+``kimi_cg.reset()``; it holds the caller frame, not its id, since an id can be reused by a later frame.
+The same code run eagerly by another caller, or the nested graph called from anywhere else, runs lifted. Only failures that happen once per code record it: a frame failing at
 every call (an invalid input) leaves its nested pieces lifted, as they serve every call.
 
 If the stack lookup of step 2 ever fails (a torch release that renames ``_compile``), kimi_cg
@@ -178,16 +178,23 @@ def flash_path_taken() -> bool:
     return active() and _state.flash_path_taken
 
 
+def _convert_frame_file():
+    return getattr(sys.modules.get("torch._dynamo.convert_frame"), "__file__", None)
+
+
+def _compile_frame():
+    """The frame of dynamo's ``convert_frame._compile`` running below us, or None."""
+    filename = _convert_frame_file()
+    frame = sys._getframe(2)
+    while frame is not None and not (frame.f_code.co_name == "_compile" and frame.f_code.co_filename == filename):
+        frame = frame.f_back
+    return frame
+
+
 def _compile_frame_locals():
     """The locals of dynamo's ``convert_frame._compile`` running below us, or None."""
-    convert_frame = sys.modules.get("torch._dynamo.convert_frame")
-    filename = getattr(convert_frame, "__file__", None)
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code.co_name == "_compile" and frame.f_code.co_filename == filename:
-            return frame.f_locals
-        frame = frame.f_back
-    return None
+    frame = _compile_frame()
+    return None if frame is None else frame.f_locals
 
 
 def _is_kimi_cg(compiler_fn) -> bool:
@@ -290,10 +297,7 @@ def _note_eager_run(code) -> None:
     again at its next; remembers which frame called it (the frame above dynamo's callback)."""
     if code is None:
         return
-    frame = sys._getframe(1)
-    filename = getattr(sys.modules.get("torch._dynamo.convert_frame"), "__file__", None)
-    while frame is not None and not (frame.f_code.co_name == "_compile" and frame.f_code.co_filename == filename):
-        frame = frame.f_back
+    frame, filename = _compile_frame(), _convert_frame_file()
     while frame is not None and frame.f_code.co_filename == filename:  # _compile and dynamo's callback above it
         frame = frame.f_back
     if frame is not None:

@@ -81,6 +81,14 @@ def _grid_tensor(grid: Sequence[Sequence[int]]) -> torch.Tensor:
     return grid_thw
 
 
+def _image_grid(grid: Sequence[Sequence[int]], tower: str) -> torch.Tensor:
+    """``_grid_tensor(grid)`` for a tower that takes images only (every t == 1)."""
+    grid_thw = _grid_tensor(grid)
+    if bool((grid_thw[:, 0] != 1).any()):
+        raise ValueError(f"{tower} takes images only (t == 1); got {grid}")
+    return grid_thw
+
+
 def _qwen_style_inputs(in_channels: int, seed: int, temporal_patch: int = TEMPORAL_PATCH):
     """(hidden_states [L, C*Tp*p*p], grid_thw [N, 3]) for the Qwen / GLM flattened-patch convention."""
 
@@ -327,9 +335,7 @@ def build_pixtral(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
     model = _build(model_class, config, attn_implementation, seed)
 
     def make_inputs(grid: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        grid_thw = _grid_tensor(grid)
-        if bool((grid_thw[:, 0] != 1).any()):
-            raise ValueError(f"Pixtral takes images only (t == 1); got {grid}")
+        grid_thw = _image_grid(grid, "Pixtral")
         sizes = grid_thw[:, 1:] * PATCH
         generator = torch.Generator().manual_seed(seed + int(grid_thw.prod(dim=-1).sum()))
         pixels = torch.zeros(len(grid), 3, int(sizes[:, 0].max()), int(sizes[:, 1].max()))
@@ -506,9 +512,7 @@ def build_inkling2(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
     model = _build(model_class, config, attn_implementation, seed)
 
     def make_inputs(grid: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        grid_thw = _grid_tensor(grid)
-        if bool((grid_thw[:, 0] != 1).any()):
-            raise ValueError(f"Inkling-2 takes images only (t == 1); got {grid}")
+        grid_thw = _image_grid(grid, "Inkling-2")
         merged = grid_thw // torch.tensor([1, MERGE, MERGE])
         tokens = int(merged.prod(dim=-1).sum())
         generator = torch.Generator().manual_seed(seed + tokens)
@@ -525,9 +529,7 @@ def _build_minicpm(model_name: str, prefix: str, attn_implementation: str, seed:
     model = _build(model_class, config, attn_implementation, seed)
 
     def make_inputs(grid: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        grid_thw = _grid_tensor(grid)
-        if bool((grid_thw[:, 0] != 1).any()):
-            raise ValueError(f"{model_name} takes images only (t == 1); got {grid}")
+        grid_thw = _image_grid(grid, model_name)
         rows = int(grid_thw.prod(dim=-1).sum())
         generator = torch.Generator().manual_seed(seed + rows)
         return torch.randn(1, 3, PATCH, rows * PATCH, generator=generator), grid_thw[:, 1:].to(torch.int32)
@@ -555,9 +557,7 @@ def build_radio(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
     model = _build(model_class, config, attn_implementation, seed)
 
     def make_inputs(grid: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        grid_thw = _grid_tensor(grid)
-        if bool((grid_thw[:, 0] != 1).any()):
-            raise ValueError(f"RADIO's packed path takes images only (t == 1); got {grid}")
+        grid_thw = _image_grid(grid, "RADIO's packed path")
         rows = int(grid_thw.prod(dim=-1).sum())
         generator = torch.Generator().manual_seed(seed + rows)
         return torch.randn(rows, 3 * PATCH * PATCH, generator=generator), grid_thw[:, 1:].contiguous()
