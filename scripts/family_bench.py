@@ -12,8 +12,8 @@ reference the issue's target is relative to:
               grid values; sdpa under a block-diagonal mask set by a slice loop, or flash-attn's varlen op
               with max_seqlen from .item() per layer), 27 x 1152, images. flash-attn is not installed on
               the benchmark host, so the flash family's op is the test corpus's stand-in (flash-attn's
-              signature, SDPA per segment: eager pays one launch per segment and layer where flash-attn
-              pays one per layer), registered with kimi_cg.register_varlen_attention as a user would
+              signature; on CUDA torch's varlen flash kernel, which like flash-attn's never reads the
+              segment bounds on the host), registered with kimi_cg.register_varlen_attention as a user would
   kimi_k25    Kimi_K25VisionModel, 27 layers x 1152 (MoonViT3d; images and 4-frame video chunks)
   qwen2_5_vl  Qwen2.5-VL-7B's tower, 32 x 1280, window attention (window 112 px, full attention in
               layers 7, 15, 23, 31)

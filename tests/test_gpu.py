@@ -221,6 +221,38 @@ def test_transformers_tower_matches_eager_bf16(tower_name):
         assert counters.get("eager_fallbacks", 0) == 0, counters
 
 
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa", "flash_attention_2"])
+def test_upstream_moonvit_replays_graphs_bf16(attn_implementation, monkeypatch):
+    """Kimi-VL's remote-code MoonViT (plain asserts; its three attention paths, the flash one through the
+    test corpus's stand-in for flash-attn's op, torch's varlen kernel on CUDA) in bf16 with a NaN-poisoned
+    graph pool: correct, its pieces captured and replayed. Found 2026-12-05 on an H100: the stand-in read
+    its segment bounds on the host (`.tolist()`), which no CUDA graph can capture, so every flash-path
+    call ran padded without graphs (`capture_failures`); flash-attn's kernel makes no such read."""
+    from kimi_cg import varlen_registry
+    from towers.upstream_moonvit import FLASH_STAND_IN, build_upstream_moonvit
+
+    monkeypatch.setattr(varlen_registry, "_REGISTRY", dict(varlen_registry._REGISTRY))  # restored after the test
+    kimi_cg.register_varlen_attention(FLASH_STAND_IN, {"max_seqlen_q": "q", "max_seqlen_k": "k"},
+                                      segments=("cu_seqlens_q", "cu_seqlens_k"))
+    tower = build_upstream_moonvit(attn_implementation, seed=0)
+    reference = tower.model.cuda()
+    model = copy.deepcopy(reference).to(torch.bfloat16)
+
+    def make_inputs(grid):
+        pixels, grid_hws = tower.make_inputs(grid)
+        return pixels.cuda().bfloat16(), grid_hws.cuda()
+
+    compiled = torch.compile(model, backend="kimi_cg", options={"poison_graph_pool": True})
+    strategy = kimi_cg.testing.grids(dims=2, max_items=4, max_side=16, max_patches=1024)
+    report = kimi_cg.testing.assert_matches_eager(model, compiled, make_inputs, strategy, reference=reference,
+                                                  outputs=tower.extract_outputs, max_examples=16)
+    counters = dict(kimi_cg.counters)
+    _record(f"upstream-moonvit-{attn_implementation}-tiny", report, counters)
+    assert counters.get("capture_failures", 0) == 0 and counters.get("graph_replays", 0) > 0, counters
+    assert counters.get("lift_fallbacks", 0) == 0 and counters.get("call_fallbacks", 0) == 0, counters
+    assert counters.get("padding_hazards", 0) == 0, counters
+
+
 @pytest.mark.parametrize("tower", ["moonvit", "moonvit3d"])
 def test_concurrent_replays_from_threads_and_a_side_stream_match_eager(tower):
     """NOTE [concurrent calls] with capture: two threads, one on its own CUDA stream, replaying one

@@ -16,9 +16,11 @@ dynamo can trace it; this variant undoes both, so the corpus also covers the cod
      are tensor elements of ``cu_seqlens``, then ``F.scaled_dot_product_attention``;
    - ``"flash_attention_2"``: ``max_seqlen = (cu[1:] - cu[:-1]).max().item()`` in every layer, then an
      opaque varlen kernel. flash-attn is not importable here (no CUDA), so the kernel is a stand-in
-     custom op, ``torch.ops.kimi_cg_test.flash_attn_varlen_fwd``, with flash-attn's varlen signature
-     and per-segment SDPA as its implementation. It is deliberately not the project's own
-     ``kimi_cg::varlen_attention``: a compiler must not rely on the model calling its op.
+     custom op, ``torch.ops.kimi_cg_test.flash_attn_varlen_fwd``, with flash-attn's varlen signature:
+     per-segment SDPA on the CPU, torch's varlen flash kernel on CUDA (like flash-attn's kernel, it
+     reads ``cu_seqlens`` on the device only, so a CUDA graph can capture it). It is deliberately not
+     the project's own ``kimi_cg::varlen_attention``: a compiler must not rely on the model calling
+     its op.
 
 Everything else (patch embedding with the per-image bicubic position grid, the packed-qkv pre-LN
 blocks, the per-image patch merger) is the project's code, reused by subclassing; state-dict keys
@@ -60,16 +62,20 @@ def _flash_attn_varlen_fwd(
     causal: bool = False,
 ) -> torch.Tensor:
     """flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal) on
-    [total, H, Dh] tensors, computed per segment with SDPA.
+    [total, H, Dh] tensors.
 
-    It refuses what the real kernel cannot do or would get silently wrong: non-int32 bounds, a
-    segment longer than its max_seqlen (flash sizes its grid by max_seqlen and never visits the rows
-    beyond), bounds that do not cover the packed rows.
+    On the CPU it runs per segment with SDPA and refuses what the real kernel cannot do or would get
+    silently wrong: non-int32 bounds, a segment longer than its max_seqlen (flash sizes its grid by
+    max_seqlen and never visits the rows beyond), bounds that do not cover the packed rows. On CUDA it
+    is torch's varlen flash kernel, which, like flash-attn's, never reads the bounds on the host (those
+    checks would be host syncs, which the real op does not make and a CUDA graph cannot capture).
     """
     if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_k.dtype != torch.int32:
         raise ValueError(f"cu_seqlens must be int32; got {cu_seqlens_q.dtype}, {cu_seqlens_k.dtype}")
     if dropout_p != 0.0:
         raise ValueError("the stand-in computes inference attention only (dropout_p must be 0)")
+    if q.is_cuda:
+        return _torch_varlen_flash(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
     bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     if len(bounds_q) != len(bounds_k) or bounds_q[0] != 0 or bounds_k[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0 and have one length; got {bounds_q}, {bounds_k}")
@@ -92,6 +98,13 @@ def _flash_attn_varlen_fwd(
         )
         out[start_q:end_q] = segment.transpose(0, 1)
     return out
+
+
+def _torch_varlen_flash(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=softmax_scale,
+                       window_size=(-1, 0) if causal else (-1, -1))
 
 
 def _flash_attn_varlen_fwd_fake(
