@@ -103,7 +103,8 @@ def _lift(work: torch.fx.GraphModule, pristine: torch.fx.GraphModule, inputs, ac
     except Exception:  # noqa: BLE001 - a debugging aid must never change what runs
         logger.warning("kimi_cg: writing the lift report failed (the graph is lifted regardless)", exc_info=True)
     dump.update(status="lifted", device_program=device.key,
-                device_ops=tensor_op_count(lifted.device.gm) if dump.enabled else None)
+                device_ops=tensor_op_count(lifted.device.gm) if dump.enabled else None,
+                device_program_ran=False)  # NOTE [programs that ran] in kimi_cg/device_program.py
     if dump.enabled and device.compiler == "inductor":  # its Inductor code is written when it compiles
         if device.inductor_code is not None:
             dump.shared_file("device_programs", f"{device.key}.inductor", lambda: device.inductor_code,

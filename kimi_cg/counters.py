@@ -5,6 +5,8 @@ Keys (missing keys read as 0):
   graph_breaks                graph breaks reported in frames kimi_cg compiled
   frames_skipped              kimi_cg frames dynamo gave up on (they run eagerly; warned with the fix)
   device_programs_compiled    device programs built (structurally equal ones are built once)
+  device_programs_run         device programs that ran at least once (compiled, for Inductor ones: NOTE
+                              [programs that ran] in kimi_cg/device_program.py)
   device_program_cache_hits   dynamo graphs that reused an existing device program
   device_program_respecializations  symbolic runs of a device program (its row counts, its Inductor
                               compile) again at a call's sizes, which an earlier run's guards did not

@@ -125,8 +125,11 @@ class DeviceProgram:
         self.configurations: dict = {}  # runtime configuration -> its small id (see backend._bucketed_graphs)
         self.dumps: list = []  # debug dumps (GraphDump) of graphs using this program: get its Inductor code
         self.inductor_code: str | None = None
+        self.ran = False  # NOTE [programs that ran]
 
     def __call__(self, *inputs):
+        if not self.ran:
+            self._first_run()
         if self.compiler == "eager":  # runs the real ops: nothing was assumed
             return self.gm(*inputs)
         signature = self._signature(inputs)
@@ -134,6 +137,19 @@ class DeviceProgram:
         if compiled is None:
             compiled = self._compile_once(inputs, signature)
         return compiled(*inputs)
+
+    def _first_run(self) -> None:
+        """NOTE [programs that ran]: a lifted graph's device program is built when the graph is lifted
+        but compiled and run only at its first call, which some lifted graphs never get (a block traced
+        on its own while its caller ran eagerly once: NOTE [calls inside a frame traced again] in
+        kimi_cg/dynamo_settings.py). Those cost a lift, no compile and no capture. So counts of device
+        programs that mean cost are of programs that ran: ``device_programs_run`` here, and per graph
+        the debug dump's ``device_program_ran`` (set by the runner at the graph's first lifted call),
+        which reports count per piece (kimi_cg.report.device_programs_per_frame)."""
+        with self._compile_lock:
+            if not self.ran:
+                self.ran = True
+                counters["device_programs_run"] += 1
 
     def _signature(self, inputs) -> tuple:
         """The call's symbolic sizes (the positions a symbolic run gives symbols of their own)."""

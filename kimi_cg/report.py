@@ -16,10 +16,11 @@ import sys
 
 
 def device_programs_per_frame(graphs: list[dict]) -> dict[str, set[str]]:
-    """Each frame's (a piece's) distinct device programs, from a dump's index entries."""
+    """Each frame's (a piece's) distinct device programs that ran, from a dump's index entries (NOTE
+    [programs that ran] in kimi_cg/device_program.py; an entry without the field counts)."""
     programs: dict[str, set[str]] = collections.defaultdict(set)
     for graph in graphs:
-        if graph.get("device_program"):
+        if graph.get("device_program") and graph.get("device_program_ran", True):
             programs[graph["frame"]].add(graph["device_program"])
     return programs
 
@@ -37,10 +38,11 @@ def summarize(folder: str, slowest: int = 5) -> str:
     statuses = collections.Counter(graph["status"].split(" (")[0].split(":")[0] for graph in graphs)
     frames = collections.Counter(graph["frame"] for graph in graphs)
     lines.append(f"graphs: {len(graphs)} ({', '.join(f'{n} {s}' for s, n in statuses.most_common())}) "
-                 f"in {len(frames)} frame(s); device programs: {len({g.get('device_program') for g in graphs} - {None})}")
+                 f"in {len(frames)} frame(s); device programs: {len({g.get('device_program') for g in graphs} - {None})} "
+                 f"built, {len(set().union(*device_programs_per_frame(graphs).values()))} ran")
     programs = device_programs_per_frame(graphs)
     for frame, count in frames.most_common():
-        lines.append(f"  {count:4d} x {frame}: {len(programs[frame])} device program(s)")
+        lines.append(f"  {count:4d} x {frame}: {len(programs[frame])} device program(s) ran")
     failed = [graph for graph in graphs if graph["status"].startswith("fell back")]
     if failed:
         lines.append("fell back (runs unlifted):")

@@ -124,7 +124,7 @@ def test_report_command_summarises_a_dump(served):
     assert "replay of bucket 256" in text and "split into 2 parts" in text and "plain program (no bucket fits)" in text
     assert "unlifted graph (grid-dependent value reaches a device op)" in text and "calls: 5 recorded" in text
     assert "slowest" in text
-    pieces = re.findall(r"^ +\d+ x .*: (\d+) device program\(s\)$", text, flags=re.M)  # one line per frame
+    pieces = re.findall(r"^ +\d+ x .*: (\d+) device program\(s\) ran$", text, flags=re.M)  # one line per frame
     assert pieces and all(int(n) <= 2 for n in pieces), text
     # Tensor ops inside replayed graphs (2 replays, a split) vs outside (the plain call, the unlifted graph).
     graphs = {g["compile_id"]: g for g in read_index(str(served))}

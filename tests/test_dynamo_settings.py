@@ -3,6 +3,7 @@ and nowhere else; a frame dynamo cannot trace with them is traced with dynamo's 
 
 from __future__ import annotations
 
+import inspect
 import operator
 import threading
 
@@ -262,12 +263,17 @@ class SegmentPerFrameWithABlock(SegmentPerFrame):
         return super().forward(self.block(x, grid), grid)
 
 
-def test_graphs_traced_inside_a_frame_run_eagerly_for_one_call_run_as_captured():
+def test_graphs_traced_inside_a_frame_run_eagerly_for_one_call_run_as_captured(tmp_path):
     """NOTE [calls inside a frame traced again]: the block's graph, traced while the forward's first call
     runs eagerly, runs as dynamo captured it (no device program run, no bucket); the next calls trace the
-    forward whole and run lifted."""
+    forward whole and run lifted. The block's program, built when it was lifted, never ran, so the debug
+    dump counts no program for the block's piece (NOTE [programs that ran])."""
+    from kimi_cg.debug.dump import read_index
+    from kimi_cg.report import device_programs_per_frame
+
     model = SegmentPerFrameWithABlock()
-    compiled = torch.compile(model, backend="kimi_cg", options={"cuda_graphs": True, "token_budgets": [32, 64, 128]})
+    compiled = torch.compile(model, backend="kimi_cg", options={"cuda_graphs": True, "token_budgets": [32, 64, 128],
+                                                                "debug_dir": str(tmp_path)})
     lifted_runs = ("padded_runs", "graph_replays", "eager_fallbacks")
     for call, grid in enumerate(([[1, 4, 6]], [[2, 2, 4], [1, 6, 2]], [[3, 2, 2], [1, 4, 4]], [[1, 4, 6]])):
         grid = torch.tensor(grid)
@@ -278,7 +284,16 @@ def test_graphs_traced_inside_a_frame_run_eagerly_for_one_call_run_as_captured()
             assert kimi_cg.counters["dynamic_shape_op_breaks"] >= 1, dict(kimi_cg.counters)  # this forward, super()'s
             assert kimi_cg.counters["calls_inside_frames_traced_again"] == 1, dict(kimi_cg.counters)
             assert sum(kimi_cg.counters[k] for k in lifted_runs) == 0, dict(kimi_cg.counters)
+            assert kimi_cg.counters["device_programs_compiled"] >= 1, dict(kimi_cg.counters)  # the block's, lifted
+            assert kimi_cg.counters["device_programs_run"] == 0, dict(kimi_cg.counters)
     assert not dynamo_settings.inside_a_frame_traced_again()
+    graphs = read_index(str(tmp_path))
+    programs = device_programs_per_frame(graphs)
+    source, first = inspect.getsourcelines(RowsPerItem.forward)
+    block_lines = {f"{__file__}:{line} (forward)" for line in range(first, first + len(source))}
+    block_frames = {g["frame"] for g in graphs if g["frame"] in block_lines and g.get("device_program")}
+    assert block_frames and not any(programs.get(frame) for frame in block_frames), (block_frames, dict(programs))
+    assert 1 <= sum(map(len, programs.values())) <= kimi_cg.counters["device_programs_run"], dict(programs)
     assert kimi_cg.counters["calls_inside_frames_traced_again"] == 1, dict(kimi_cg.counters)
     assert kimi_cg.counters["padded_runs"] >= 3 and kimi_cg.counters["eager_fallbacks"] == 0, dict(kimi_cg.counters)
 

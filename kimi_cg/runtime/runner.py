@@ -56,6 +56,7 @@ class LiftedRunner:
         self.graphs_for = graphs_for  # device inputs -> BucketedGraphs (shared by equal programs)
         self.copied_outputs = _host_outputs_to_copy(lifted, host)
         self.graphs: BucketedGraphs | None = None
+        self.device_ran = False  # whether a call of this graph ran its device program
         _LIVE_RUNNERS.add(self)
 
     @staticmethod
@@ -198,6 +199,10 @@ class LiftedRunner:
                     host_side[position] = value
                     device_args[position] = value.to(target, non_blocking=True)
         results["device"] = self._run_device(device_args, record, host_side)
+        if not self.device_ran:  # NOTE [programs that ran] in kimi_cg/device_program.py
+            self.device_ran = True
+            if self.dump is not None:
+                self.dump.update(device_program_ran=True)
         if self.post_refs or self.lifted.post.outputs:
             results["post"] = self.lifted.post.gm(*(self._resolve(ref, args, results) for ref in self.post_refs))
         outputs = [self._resolve(ref, args, results) for ref in self.output_refs]
