@@ -4,6 +4,8 @@ Keys (missing keys read as 0):
   dynamo_graphs               graphs the backend received from dynamo
   graph_breaks                graph breaks reported in frames kimi_cg compiled
   frames_skipped              kimi_cg frames dynamo gave up on (they run eagerly; warned with the fix)
+  asserts_with_computed_messages  asserts on grid values with an expression as message, traced as
+                              checks instead of graph breaks (NOTE [asserts with a computed message])
   device_programs_compiled    device programs built (structurally equal ones are built once)
   device_programs_run         device programs that ran at least once (compiled, for Inductor ones: NOTE
                               [programs that ran] in kimi_cg/device_program.py)

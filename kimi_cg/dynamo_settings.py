@@ -149,6 +149,9 @@ def install(backend=None) -> None:
     if _on_compile_end not in handler.end_callbacks:
         handler.register_end_callback(_on_compile_end)
     _patch_list_compare()
+    from kimi_cg import asserts
+
+    asserts.install()  # NOTE [asserts with a computed message]: acts only while a kimi_cg frame traces
     from kimi_cg import grid_sampler
 
     grid_sampler.install()  # NOTE [grid sampler]

@@ -66,15 +66,16 @@ def _flash_attn_varlen_fwd(
 
     On the CPU it runs per segment with SDPA and refuses what the real kernel cannot do or would get
     silently wrong: non-int32 bounds, a segment longer than its max_seqlen (flash sizes its grid by
-    max_seqlen and never visits the rows beyond), bounds that do not cover the packed rows. On CUDA it
-    is torch's varlen flash kernel, which, like flash-attn's, never reads the bounds on the host (those
-    checks would be host syncs, which the real op does not make and a CUDA graph cannot capture).
+    max_seqlen and never visits the rows beyond), bounds that do not cover the packed rows. On CUDA in fp16 /
+    bf16 it is torch's varlen flash kernel, which, like flash-attn's, never reads the bounds on the host
+    (those checks would be host syncs, which the real op does not make and a CUDA graph cannot capture);
+    fp32 on CUDA (a test's fp32 reference; flash-attn refuses it) takes the per-segment path.
     """
     if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_k.dtype != torch.int32:
         raise ValueError(f"cu_seqlens must be int32; got {cu_seqlens_q.dtype}, {cu_seqlens_k.dtype}")
     if dropout_p != 0.0:
         raise ValueError("the stand-in computes inference attention only (dropout_p must be 0)")
-    if q.is_cuda:
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):  # fp32 (a test's reference): the loop below
         return _torch_varlen_flash(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
     bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     if len(bounds_q) != len(bounds_k) or bounds_q[0] != 0 or bounds_k[0] != 0:
