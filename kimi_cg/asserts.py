@@ -17,8 +17,9 @@ extended, and dynamo emits the check) and, in ``assert a == b == c, msg`` or ``a
 the ``POP_JUMP_IF_FALSE`` of each earlier link (its target is the failing block: the check is emitted
 here and the trace goes on as if the link held). Each is accepted only when the condition cannot reach the device program as an
 assert that could fail there: a condition computed from integer tensors only (the grid, ``cu_seqlens``;
-sizes are symbols, not data), which kimi_cg's host program evaluates on the host, or a condition on
-sizes (a runtime check on the host). A condition on activations (``assert torch.isfinite(x).all(),
+sizes are symbols, not data), which kimi_cg's host program evaluates on the host when those come from
+the grid (an integer tensor the device program holds keeps the check on the device, as dynamo's own
+rewrite of ``assert cond, "text"`` does), or a condition on sizes (a runtime check on the host). A condition on activations (``assert torch.isfinite(x).all(),
 f"..."``) keeps its graph break: as ``_assert_async`` on a GPU its failure would be a device-side
 assert, which ends the process's CUDA context, where eager raises an ``AssertionError``.
 
