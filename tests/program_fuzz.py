@@ -183,7 +183,9 @@ STATEMENT_OPTIONS: dict[str, dict[str, tuple]] = {
     "branch": {"condition": ("h_gt", "h_eq_w", "area_gt", "t_gt"), "threshold": (4, 1, 2, 3, 5, 6)},
     # Assertions and torch._check on grid values.
     "checks": {
-        "kind": ("check_total", "check_bounds", "assert_bounds", "assert_total", "check_even", "assert_positive"),
+        "kind": ("check_total", "check_bounds", "assert_bounds", "assert_total", "check_even", "assert_positive",
+                 # messages that are expressions (Kimi-VL's attention: NOTE [asserts with a computed message])
+                 "assert_cu_message", "assert_cu_chained", "assert_bounds_message"),
         "bound": (8, 4, 5, 6, 7),
     },
     # .item() results passed into ops.
@@ -719,8 +721,19 @@ def _checks(out: _Writer, s: Statement) -> None:
         else:
             out.line(f"assert x.shape[0] == sum({sizes})")
         return
+    if kind in ("assert_cu_message", "assert_cu_chained"):
+        cu = out.cu("pad_cumsum")
+        if kind == "assert_cu_message":
+            out.line(f"assert {cu}[-1] == x.shape[0], ({cu}[-1], x.shape[0])")
+        else:
+            out.line(f"assert {cu}[-1] == x.shape[0] == x.size(0), ({cu}[-1], x.shape)")
+        return
     out.loop()
-    if kind == "assert_positive":
+    if kind == "assert_bounds_message":
+        out.limit_side(bound)
+        out.line(f'assert h <= {bound}, f"item of height {{h}} over {bound}"', 1)
+        out.line(f"assert w <= {bound}, (w, {bound})", 1)
+    elif kind == "assert_positive":
         out.line("assert h >= 1 and w >= 1", 1)
     elif kind == "check_bounds":
         out.limit_side(bound)
