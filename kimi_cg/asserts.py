@@ -15,13 +15,16 @@ instructions (no store, no jump out of them) and ``RAISE_VARARGS``. Two jumps le
 assert's own ``POP_JUMP_IF_TRUE`` (its fall-through is the failing block: dynamo's detector is
 extended, and dynamo emits the check) and, in ``assert a == b == c, msg`` or ``assert a and b, msg``,
 the ``POP_JUMP_IF_FALSE`` of each earlier link (its target is the failing block: the check is emitted
-here and the trace goes on as if the link held). Each is accepted only when the condition cannot reach the device program as an
-assert that could fail there: a condition computed from integer tensors only (the grid, ``cu_seqlens``;
-sizes are symbols, not data), which kimi_cg's host program evaluates on the host when those come from
-the grid (an integer tensor the device program holds keeps the check on the device, as dynamo's own
-rewrite of ``assert cond, "text"`` does), or a condition on sizes (a runtime check on the host). A condition on activations (``assert torch.isfinite(x).all(),
-f"..."``) keeps its graph break: as ``_assert_async`` on a GPU its failure would be a device-side
-assert, which ends the process's CUDA context, where eager raises an ``AssertionError``.
+here and the trace goes on as if the link held).
+
+Each is accepted only when the condition cannot reach the device program as an assert on data that
+could fail there: a condition computed from integer tensors only (the grid, ``cu_seqlens``; sizes
+are symbols, not data), which kimi_cg's host program evaluates on the host when those come from the
+grid (an integer tensor the device program holds keeps the check on the device, as dynamo's own
+rewrite of ``assert cond, "text"`` does), or a condition on sizes (a runtime check on the host). A
+condition on activations (``assert torch.isfinite(x).all(), f"..."``) keeps its graph break: as
+``_assert_async`` on a GPU its failure would be a device-side assert, which ends the process's CUDA
+context, where eager raises an ``AssertionError``.
 
 What the rewrite changes: a passing assert behaves as in eager (the message was never built: eager
 builds it only on failure); a failing one raises kimi_cg's ``InvalidInputError`` (a RuntimeError whose

@@ -97,10 +97,12 @@ NOTE [list vs torch.Size]: dynamo before torch 2.13 compares ``[h, w] == weight.
 (upstream MoonViT's position-embedding check, always False in Python) element by element, so with
 unbacked h, w it guards on ``h != 64`` and graph-breaks. ``install()`` makes its polyfill
 ``list_cmp`` type-aware, as Python and torch >= 2.13 are: a compatibility shim for that one bug, a
-no-op on torch >= 2.13. The other process-wide change: NOTE [attention substitutes]
+no-op on torch >= 2.13. The other process-wide changes: NOTE [attention substitutes]
 (attention_substitutes.py), a dynamo polyfill for transformers' SDPA attention function that only
 takes another path in kimi_cg frames; NOTE [grid sampler] (grid_sampler.py), a Python kernel of
-``aten::grid_sampler`` that only skips a question dynamo cannot answer in kimi_cg frames.
+``aten::grid_sampler`` that only skips a question dynamo cannot answer in kimi_cg frames; NOTE
+[asserts with a computed message] (asserts.py), wrappers of dynamo's assert detector and its
+jump-if-false handlers that only act in kimi_cg frames.
 """
 
 from __future__ import annotations
