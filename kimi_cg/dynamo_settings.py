@@ -102,7 +102,9 @@ no-op on torch >= 2.13. The other process-wide changes: NOTE [attention substitu
 takes another path in kimi_cg frames; NOTE [grid sampler] (grid_sampler.py), a Python kernel of
 ``aten::grid_sampler`` that only skips a question dynamo cannot answer in kimi_cg frames; NOTE
 [asserts with a computed message] (asserts.py), wrappers of dynamo's assert detector and its
-jump-if-false handlers that only act in kimi_cg frames.
+jump-if-false handlers that only act in kimi_cg frames; NOTE [int of a grid comparison]
+(grid_comparisons.py), dynamo's ``sym_int`` wrapped to give an integer expression for an undecidable
+comparison in kimi_cg frames.
 """
 
 from __future__ import annotations
@@ -154,6 +156,9 @@ def install(backend=None) -> None:
     from kimi_cg import asserts
 
     asserts.install()  # NOTE [asserts with a computed message]: acts only while a kimi_cg frame traces
+    from kimi_cg import grid_comparisons
+
+    grid_comparisons.install()  # NOTE [int of a grid comparison]: acts only while a kimi_cg frame traces
     from kimi_cg import grid_sampler
 
     grid_sampler.install()  # NOTE [grid sampler]

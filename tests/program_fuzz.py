@@ -180,7 +180,9 @@ STATEMENT_OPTIONS: dict[str, dict[str, tuple]] = {
         "api": ("torch_split", "method", "tensor_split"),
     },
     # Python branches on grid values.
-    "branch": {"condition": ("h_gt", "h_eq_w", "area_gt", "t_gt"), "threshold": (4, 1, 2, 3, 5, 6)},
+    "branch": {"condition": ("h_gt", "h_eq_w", "area_gt", "t_gt"), "threshold": (4, 1, 2, 3, 5, 6),
+               # `if`, or the comparison as a number (Kimi-K2.5's `int(t > 1)`: NOTE [int of a grid comparison])
+               "form": ("if", "int_scale", "int_offset_ids")},
     # Assertions and torch._check on grid values.
     "checks": {
         "kind": ("check_total", "check_bounds", "assert_bounds", "assert_total", "check_even", "assert_positive",
@@ -699,14 +701,21 @@ def _branch(out: _Writer, s: Statement) -> None:
         "area_gt": f"h * w > {threshold * 4}",
         "t_gt": f"t > {min(threshold, 3)}",
     }[condition]
+    form = s.get("form")
     out.line(f"pieces{k} = []")
     out.line(f"start{k} = 0")
     out.loop()
     out.line(f"p = x[start{k}:start{k} + {out.item_size}]", 1)
-    out.line(f"if {test}:", 1)
-    out.line("p = p.flip(0) * 2.0", 2)
-    out.line("else:", 1)
-    out.line("p = p - 1.0", 2)
+    if form == "if":
+        out.line(f"if {test}:", 1)
+        out.line("p = p.flip(0) * 2.0", 2)
+        out.line("else:", 1)
+        out.line("p = p - 1.0", 2)
+    elif form == "int_scale":
+        out.line(f"p = p * (1.0 + int({test}))", 1)
+    else:  # per-row ids shifted by the comparison, as a frame index into a table
+        out.line(f"ids = torch.arange({out.item_size}, device=x.device) % 3 + int({test})", 1)
+        out.line("p = p + ids[:, None].to(p.dtype)", 1)
     out.line(f"pieces{k}.append(p)", 1)
     out.line(f"start{k} += {out.item_size}", 1)
     out.line(f"x = torch.cat(pieces{k})")

@@ -1,0 +1,70 @@
+"""NOTE [int of a grid comparison] (kimi_cg/grid_comparisons.py): ``int(t > 1)`` on a grid value read
+with ``.tolist()`` traces as an integer expression in kimi_cg's frames (no graph break, one lifted
+piece); other backends' compiles see dynamo's own ``sym_int``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kimi_cg
+
+OPTIONS = {"cuda_graphs": True, "token_budgets": [32, 64, 128]}
+GRIDS = ([[1, 4, 6]], [[2, 2, 4], [1, 6, 2]], [[1, 2, 2], [3, 2, 4]], [[4, 2, 2]], [[1, 4, 4], [1, 2, 4]])
+
+
+class FrameIndex(torch.nn.Module):
+    """Kimi-K2.5's temporal index: per item, frame ids shifted by one when the item is a video
+    (t > 1), looked up in a table whose row 0 is for images."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(6, 8))
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x, grid):
+        parts = []
+        for t, h, w in grid.tolist():
+            frames = torch.arange(t, device=x.device) + int(t > 1)
+            parts.append(frames.repeat_interleave(h * w))
+        return self.lin(x + self.table[torch.cat(parts)])
+
+
+def _run(compiled, model):
+    for grid in GRIDS:
+        grid = torch.tensor(grid)
+        x = torch.randn(int(grid.prod(-1).sum()), 8)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x, grid), model(x, grid))
+
+
+# torch 2.11's dynamo then stops at the next line, `repeat_interleave(h * w)` (it cannot show the unbacked
+# product is >= 0; torch 2.13 can), so there the frame still runs eagerly: equal to eager either way.
+WHOLE_FRAME = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+
+
+def test_int_of_a_grid_comparison_traces_as_one_piece():
+    model = FrameIndex()
+    _run(torch.compile(model, backend="kimi_cg", options=OPTIONS), model)
+    counters = dict(kimi_cg.counters)
+    if not WHOLE_FRAME:
+        assert counters.get("call_fallbacks", 0) == 0, counters
+        return
+    assert counters.get("graph_breaks", 0) == 0 and counters.get("frames_skipped", 0) == 0, counters
+    assert counters.get("padded_runs", 0) == len(GRIDS) and counters.get("eager_fallbacks", 0) == 0, counters
+    assert counters.get("lift_fallbacks", 0) == 0 and counters.get("call_fallbacks", 0) == 0, counters
+
+
+def test_outside_kimi_cg_traces_the_wrapper_is_torchs_sym_int():
+    """Outside a kimi_cg trace an undecidable comparison fails as torch.sym_int makes it fail (what
+    other compiles see); decidable values convert as before."""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
+
+    from kimi_cg import grid_comparisons
+
+    unbacked = ShapeEnv().create_unbacked_symint()
+    with pytest.raises(GuardOnDataDependentSymNode):
+        torch.sym_int(unbacked > 1)
+    with pytest.raises(GuardOnDataDependentSymNode):
+        grid_comparisons.sym_int(unbacked > 1)
+    assert grid_comparisons.sym_int(True) == 1 and grid_comparisons.sym_int(2.7) == 2
