@@ -1,7 +1,7 @@
 """NOTE [asserts with a computed message] (kimi_cg/asserts.py): asserts on grid values whose message is
 an expression trace without a graph break in kimi_cg's frames; asserts on activations keep their break
 (and eager's AssertionError); other backends' compiles see dynamo unchanged. The models live in
-tests/assert_forms.py: pytest rewrites the asserts of test modules into other bytecode."""
+tests/upstream_forms.py: pytest rewrites the asserts of test modules into other bytecode."""
 
 from __future__ import annotations
 
@@ -9,26 +9,18 @@ import pytest
 import torch
 
 import kimi_cg
-from assert_forms import ActivationAssert, GridAssert
+from upstream_forms import ActivationAssert, GridAssert, assert_compiled_matches_eager
 from kimi_cg.errors import InvalidInputError
 
 OPTIONS = {"cuda_graphs": True, "token_budgets": [32, 64, 128]}
 GRIDS = ([[4, 6]], [[2, 4], [6, 2]], [[2, 2], [4, 4]], [[4, 4]])
 
 
-def _run(compiled, model):
-    for grid in GRIDS:
-        grid = torch.tensor(grid)
-        x = torch.randn(int(grid.prod(-1).sum()), 8)
-        with torch.no_grad():
-            torch.testing.assert_close(compiled(x, grid), model(x, grid))
-
-
 @pytest.mark.parametrize("chained", [False, True], ids=["plain", "chained"])
 def test_grid_assert_with_a_computed_message_traces_without_a_break(chained):
     model = GridAssert(chained)
     compiled = torch.compile(model, backend="kimi_cg", options=OPTIONS)
-    _run(compiled, model)
+    assert_compiled_matches_eager(compiled, model, GRIDS)
     counters = dict(kimi_cg.counters)
     assert counters.get("graph_breaks", 0) == 0 and counters.get("frames_skipped", 0) == 0, counters
     assert counters["asserts_with_computed_messages"] >= 1 + chained, counters
@@ -37,7 +29,7 @@ def test_grid_assert_with_a_computed_message_traces_without_a_break(chained):
     grid, x = torch.tensor([[4, 4]]), torch.randn(15, 8)
     with pytest.raises(AssertionError):
         model(x, grid)
-    with pytest.raises(InvalidInputError, match="assertion failed at .*assert_forms.py:[0-9]+: assert cu_seqlens"):
+    with pytest.raises(InvalidInputError, match="assertion failed at .*upstream_forms.py:[0-9]+: assert cu_seqlens"):
         with torch.no_grad():
             compiled(x, grid)
 
@@ -47,7 +39,7 @@ def test_activation_assert_keeps_its_break_and_eager_error():
     process's CUDA context where eager raises): dynamo's graph break and eager's AssertionError stay."""
     model = ActivationAssert()
     compiled = torch.compile(model, backend="kimi_cg", options=OPTIONS)
-    _run(compiled, model)
+    assert_compiled_matches_eager(compiled, model, GRIDS)
     assert kimi_cg.counters["asserts_with_computed_messages"] == 0, dict(kimi_cg.counters)
     assert kimi_cg.counters["graph_breaks"] >= 1, dict(kimi_cg.counters)
     grid = torch.tensor([[4, 4]])

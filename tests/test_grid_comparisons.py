@@ -8,36 +8,10 @@ import pytest
 import torch
 
 import kimi_cg
+from upstream_forms import FrameIndex, assert_compiled_matches_eager
 
 OPTIONS = {"cuda_graphs": True, "token_budgets": [32, 64, 128]}
 GRIDS = ([[1, 4, 6]], [[2, 2, 4], [1, 6, 2]], [[1, 2, 2], [3, 2, 4]], [[4, 2, 2]], [[1, 4, 4], [1, 2, 4]])
-
-
-class FrameIndex(torch.nn.Module):
-    """Kimi-K2.5's temporal index: per item, frame ids shifted by one when the item is a video
-    (t > 1), looked up in a table whose row 0 is for images."""
-
-    def __init__(self):
-        super().__init__()
-        self.table = torch.nn.Parameter(torch.randn(6, 8))
-        self.lin = torch.nn.Linear(8, 8)
-
-    def forward(self, x, grid):
-        parts = []
-        for t, h, w in grid.tolist():
-            frames = torch.arange(t, device=x.device) + int(t > 1)
-            parts.append(frames.repeat_interleave(h * w))
-        return self.lin(x + self.table[torch.cat(parts)])
-
-
-def _run(compiled, model):
-    for grid in GRIDS:
-        grid = torch.tensor(grid)
-        x = torch.randn(int(grid.prod(-1).sum()), 8)
-        with torch.no_grad():
-            torch.testing.assert_close(compiled(x, grid), model(x, grid))
-
-
 # torch 2.11's dynamo then stops at the next line, `repeat_interleave(h * w)` (it cannot show the unbacked
 # product is >= 0; torch 2.13 can), so there the frame still runs eagerly: equal to eager either way.
 WHOLE_FRAME = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
@@ -45,7 +19,7 @@ WHOLE_FRAME = tuple(int(part) for part in torch.__version__.split("+")[0].split(
 
 def test_int_of_a_grid_comparison_traces_as_one_piece():
     model = FrameIndex()
-    _run(torch.compile(model, backend="kimi_cg", options=OPTIONS), model)
+    assert_compiled_matches_eager(torch.compile(model, backend="kimi_cg", options=OPTIONS), model, GRIDS)
     counters = dict(kimi_cg.counters)
     if not WHOLE_FRAME:
         assert counters.get("call_fallbacks", 0) == 0, counters
