@@ -64,8 +64,9 @@ that code runs on the stack under that same caller (``inside_a_frame_traced_agai
 captured it (``calls_inside_frames_traced_again``). The record goes at the code's next compile, at
 the first lifted call of its thread made with the caller off the stack (the eager run is over), or at
 ``kimi_cg.reset()``; it holds the caller frame, not its id, since an id can be reused by a later frame.
-The same code run eagerly by another caller, or the nested graph called from anywhere else, runs lifted. Only failures that happen once per code record it: a frame failing at
-every call (an invalid input) leaves its nested pieces lifted, as they serve every call.
+The same code run eagerly by another caller, or the nested graph called from anywhere else, runs
+lifted. Only failures that happen once per code record it: a frame failing at every call (an invalid
+input) leaves its nested pieces lifted, as they serve every call.
 
 If the stack lookup of step 2 ever fails (a torch release that renames ``_compile``), kimi_cg
 frames trace with dynamo's defaults: correct, with graph breaks; ``kimi_cg.counters["graph_breaks"]``

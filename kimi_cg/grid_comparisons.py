@@ -36,11 +36,13 @@ def sym_int(value):
 
 
 def _undecidable(value) -> bool:
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-
     from kimi_cg import dynamo_settings
 
-    return dynamo_settings.active() and bool(free_unbacked_symbols(value))
+    if not dynamo_settings.active():
+        return False
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    return bool(free_unbacked_symbols(value))
 
 
 def install() -> None:
