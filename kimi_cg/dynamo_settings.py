@@ -105,7 +105,8 @@ takes another path in kimi_cg frames; NOTE [grid sampler] (grid_sampler.py), a P
 [asserts with a computed message] (asserts.py), wrappers of dynamo's assert detector and its
 jump-if-false handlers that only act in kimi_cg frames; NOTE [int of a grid comparison]
 (grid_comparisons.py), dynamo's ``sym_int`` wrapped to give an integer expression for an undecidable
-comparison in kimi_cg frames.
+comparison in kimi_cg frames; NOTE [resize traced by shape] (resize_shapes.py), the upsample ops'
+Python kernels wrapped to give only the output's metadata to dynamo's fake propagation in kimi_cg frames.
 """
 
 from __future__ import annotations
@@ -163,6 +164,9 @@ def install(backend=None) -> None:
     from kimi_cg import grid_sampler
 
     grid_sampler.install()  # NOTE [grid sampler]
+    from kimi_cg import resize_shapes
+
+    resize_shapes.install()  # NOTE [resize traced by shape]: acts only while a kimi_cg frame traces
 
 
 def installed() -> bool:
