@@ -432,3 +432,56 @@ def test_register_varlen_attention_checks_argument_names_against_the_schema(monk
     # An op of an absent package (flash-attn here) may be registered by name; it matches nothing.
     kimi_cg.register_varlen_attention("not_installed::varlen", {"max_len": "q"}, ["cu"])
     assert varlen_registry.registered_bounds("not_installed::varlen") is None
+
+
+class _Rewrite(kimi_cg.canonicalize.GraphPass):
+    """Replaces torch.relu with torch.tanh when told to; otherwise changes nothing."""
+
+    def __init__(self, rewrite):
+        super().__init__()
+        self.rewrite = rewrite
+
+    def run(self, gm):
+        for node in gm.graph.nodes:
+            if self.rewrite and node.target is torch.relu:
+                node.target = torch.tanh
+        return {}
+
+
+@pytest.mark.parametrize("rewrite", [False, True])
+def test_a_pass_recompiles_the_module_only_when_it_changed_the_graph(monkeypatch, rewrite):
+    gm = torch.fx.symbolic_trace(lambda x, y: torch.relu(x + y) * 2)
+    recompiles = []
+    original = torch.fx.GraphModule.recompile
+    monkeypatch.setattr(torch.fx.GraphModule, "recompile", lambda self: recompiles.append(1) or original(self))
+    x, y = torch.randn(5), torch.randn(5)
+    _Rewrite(rewrite)(gm)
+    assert len(recompiles) == int(rewrite)
+    torch.testing.assert_close(gm(x, y), (torch.tanh if rewrite else torch.relu)(x + y) * 2, rtol=0, atol=0)
+
+
+def test_the_fingerprint_sees_every_kind_of_change():
+    from kimi_cg.canonicalize.base import _same, graph_fingerprint
+
+    gm = torch.fx.symbolic_trace(lambda x: torch.sum(x.view(2, 3), dim=1, keepdim=False))
+    nodes = list(gm.graph.nodes)
+    before = graph_fingerprint(gm.graph)
+    assert _same(graph_fingerprint(gm.graph), before)
+    view, total = nodes[1], nodes[2]
+    view.args = (view.args[0], 3, 2)  # an argument's value
+    assert not _same(graph_fingerprint(gm.graph), before)
+    view.args = (view.args[0], 2, 3)
+    assert _same(graph_fingerprint(gm.graph), before)
+    total.kwargs = {**total.kwargs, "keepdim": True}  # a keyword
+    assert not _same(graph_fingerprint(gm.graph), before)
+    total.kwargs = {**total.kwargs, "keepdim": False}
+    with gm.graph.inserting_after(view):  # a new node
+        extra = gm.graph.call_function(torch.neg, (view,))
+    assert not _same(graph_fingerprint(gm.graph), before)
+    gm.graph.erase_node(extra)
+    assert _same(graph_fingerprint(gm.graph), before)
+    # Values that have no plain ``==`` count as changed unless they are the same object.
+    assert not _same((torch.ones(3),), (torch.ones(3),))
+    shared = torch.ones(3)
+    assert _same((shared, [1, 2.5, "a", None, slice(1, 2)]), (shared, [1, 2.5, "a", None, slice(1, 2)]))
+    assert not _same((1,), (True,)) and not _same([1], (1,))

@@ -4,7 +4,7 @@ Invariants every pass keeps (see docs/design.md):
 - the graph stays functional apart from the in-place ops the model itself wrote;
 - after all passes, no node that depends on pixel values has an output shape with a grid-dependent
   (unbacked) symbol, and no such node takes a grid-dependent integer argument;
-- passes call ``graph.lint()`` and ``gm.recompile()`` after rewriting.
+- after a pass, ``GraphPass`` lints the graph and recompiles the module when the pass changed the graph.
 """
 
 from kimi_cg.canonicalize.base import GraphPass

@@ -29,11 +29,13 @@ class GraphPass:
     def __call__(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         before = gm.code if self.dump is not None and self.dump.enabled else None
         existing = set(gm.graph.nodes)
+        fingerprint = graph_fingerprint(gm.graph)
         start = time.perf_counter()
         self.report = self.run(gm) or {}
         _inherit_stack_traces(gm.graph, existing)
         gm.graph.lint()
-        gm.recompile()
+        if not _same(graph_fingerprint(gm.graph), fingerprint):
+            gm.recompile()  # ~0.1 s for a real tower's graph: only when the pass changed it
         elapsed_ms = (time.perf_counter() - start) * 1e3
         logger.debug("%s: %.1f ms, %s", self.name, elapsed_ms, self.report)
         if before is not None and gm.code != before:  # a pass that changed nothing writes nothing
@@ -81,6 +83,32 @@ def _fake_value(node: torch.fx.Node):
             return node.target(*args, **kwargs)
     except Exception:  # noqa: BLE001 - a printout annotation only: host plans need real values
         return None
+
+
+def graph_fingerprint(graph: torch.fx.Graph) -> list:
+    """What a graph's generated code is made of: every node, in order, with its name, op, target and
+    arguments. Fingerprints that ``_same`` finds equal give the same code."""
+    return [(node, node.name, node.op, node.target, node.args, node.kwargs) for node in graph.nodes]
+
+
+_PLAIN = (int, float, str, bytes, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _same(a, b) -> bool:
+    """Structural equality that never asks an object what ``==`` means (a SymInt would answer with a guard, a
+    tensor with a tensor): containers by their items, plain values by value, anything else by identity. Unsure
+    means different, which only costs a recompile."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same(a[key], b[key]) for key in a)
+    if isinstance(a, slice):
+        return _same((a.start, a.stop, a.step), (b.start, b.stop, b.step))
+    return isinstance(a, _PLAIN) and a == b
 
 
 def _inherit_stack_traces(graph: torch.fx.Graph, existing: set) -> None:
