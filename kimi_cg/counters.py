@@ -19,6 +19,8 @@ Keys (missing keys read as 0):
   host_programs_built         host metadata programs built (one per dynamo graph)
   grid_samplers_traced_direct F.grid_sample calls traced as the kernel its composite picks (NOTE [grid
                               sampler] in grid_sampler.py)
+  repeats_by_grid_value       ``repeat_interleave`` by an unbacked count traced with a runtime check (NOTE
+                              [repeat by a grid value] in repeat_by_grid_value.py)
   resizes_traced_by_shape     F.interpolate calls whose fake run in dynamo's trace gave only the output's
                               metadata (NOTE [resize traced by shape] in resize_shapes.py)
   metadata_cache_hits/misses  per-item host metadata lookups

@@ -106,7 +106,9 @@ takes another path in kimi_cg frames; NOTE [grid sampler] (grid_sampler.py), a P
 jump-if-false handlers that only act in kimi_cg frames; NOTE [int of a grid comparison]
 (grid_comparisons.py), dynamo's ``sym_int`` wrapped to give an integer expression for an undecidable
 comparison in kimi_cg frames; NOTE [resize traced by shape] (resize_shapes.py), the upsample ops'
-Python kernels wrapped to give only the output's metadata to dynamo's fake propagation in kimi_cg frames.
+Python kernels wrapped to give only the output's metadata to dynamo's fake propagation in kimi_cg frames;
+NOTE [repeat by a grid value] (repeat_by_grid_value.py), a Python kernel of ``repeat_interleave`` by an
+integer that checks an unbacked count at run time instead of asking dynamo to decide it in kimi_cg frames.
 """
 
 from __future__ import annotations
@@ -167,6 +169,9 @@ def install(backend=None) -> None:
     from kimi_cg import resize_shapes
 
     resize_shapes.install()  # NOTE [resize traced by shape]: acts only while a kimi_cg frame traces
+    from kimi_cg import repeat_by_grid_value
+
+    repeat_by_grid_value.install()  # NOTE [repeat by a grid value]: acts only while a kimi_cg frame traces
 
 
 def installed() -> bool:

@@ -235,12 +235,12 @@ REPLAYS_EVERY_CALL = {"kimi_k25", "qwen2_vl", "qwen2_5_vl", "glm4v", "qwen3_vl",
                       "glm_image", "ovis2_5", "qwen2_5_omni", "qwen3_5_moe", "exaone4_5", "glm5_next", "cosmos3_edge",
                       "minimax_m3_vl", "qwen4_exp", "cohere_compass", "muse_glimmer", "muse_spark"}
 # Device-program calls (replays or plain runs) per tower call once traced: the pieces around graph
-# breaks, not one per layer. Kimi-K2.5 breaks at `int(t > 1)`; Qwen2-VL and GLM-4V are one piece, the
-# whole forward on its flash branch (NOTE [flash path] in kimi_cg/attention_substitutes.py).
+# breaks, not one per layer. Kimi-K2.5 is one piece on torch 2.11 and 2.13 (NOTE [int of a grid comparison],
+# NOTE [repeat by a grid value]); Qwen2-VL and GLM-4V are one piece, the whole forward on its flash branch (NOTE [flash path] in kimi_cg/attention_substitutes.py).
 # Qwen2.5-VL's first calls run its forward eagerly (NOTE [settings ladder]); the frames dynamo traces
 # inside that eager run (its blocks, permute_input_for_window_attn) run as dynamo captured them, not as
 # device programs (NOTE [calls inside a frame traced again]). Once the forward is traced, every call replays.
-DEVICE_CALLS_PER_CALL = {"kimi_k25": 2, "qwen2_vl": 1, "qwen2_5_vl": 1, "glm4v": 1, "qwen3_vl": 1, "qwen3_5": 1, "glm_ocr": 1,
+DEVICE_CALLS_PER_CALL = {"kimi_k25": 1, "qwen2_vl": 1, "qwen2_5_vl": 1, "glm4v": 1, "qwen3_vl": 1, "qwen3_5": 1, "glm_ocr": 1,
                          "paddleocr_vl": 1, "qwen3_vl_moe": 1, "qwen3_omni_moe": 1, "glm4v_moe": 1, "glm_image": 1,
                          "qwen2_5_omni": 1, "qwen3_5_moe": 1, "exaone4_5": 1, "glm5_next": 1, "cosmos3_edge": 1,
                          "minimax_m3_vl": 1, "qwen4_exp": 1, "cohere_compass": 1, "muse_glimmer": 2, "muse_spark": 2}
