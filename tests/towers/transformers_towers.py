@@ -26,6 +26,7 @@ the ``num_hidden_layers`` alias that only 5.24 maps).
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Sequence
 
 import torch
@@ -551,6 +552,10 @@ def build_radio(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
     """transformers' C-RADIO (RadioModel) on its packed path: pixel_values [L, 3*p*p], image_grid_hw [N, 2]
     (images only); per image an 8 x 8 position table resized and class / register rows inserted."""
     config_class, model_class = _load("radio", "RadioConfig", "RadioModel")
+    if "image_grid_hw" not in inspect.signature(model_class.forward).parameters:  # transformers <= 5.17
+        import transformers
+
+        raise TowerUnavailable(f"transformers {transformers.__version__}'s RadioModel has no packed path (image_grid_hw)")
     config = config_class(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                           mlp_ratio=INTERMEDIATE / HIDDEN, num_channels=3, patch_size=PATCH, image_size=8 * PATCH,
                           max_img_size=8 * PATCH, num_cls_tokens=2, num_registers=1)
