@@ -95,3 +95,16 @@ def test_a_frame_index_traces_whole_and_equals_eager():
     assert counters.get("repeats_by_grid_value", 0) > 0, counters
     assert counters.get("graph_breaks", 0) == 0 and counters.get("frames_skipped", 0) == 0, counters
     assert counters.get("lift_fallbacks", 0) == 0 and counters.get("call_fallbacks", 0) == 0, counters
+
+
+def test_a_negative_count_fails_as_eager_fails():
+    model = FrameIndexTower().eval()
+    compiled = torch.compile(model, backend="kimi_cg", options={"cuda_graphs": True, "token_budgets": [32, 64, 128]})
+    rows = torch.randn(4, 4)
+    compiled(rows, torch.tensor([[1, 2, 2]]))
+    grid = torch.tensor([[1, 2, 2], [1, 2, -2]])  # one item's count is -4
+    with pytest.raises(RuntimeError, match="non-negative"):
+        model(rows, grid)
+    with pytest.raises(RuntimeError):
+        compiled(rows, grid)
+    assert kimi_cg.counters["invalid_inputs"] == 1, dict(kimi_cg.counters)
