@@ -134,8 +134,9 @@ STATEMENT_OPTIONS: dict[str, dict[str, tuple]] = {
     "linear": {"norm": (False, True), "act": ("none", "gelu", "gelu_tanh"), "residual": (False, True)},
     # F.interpolate of a learned position grid to each item's (h, w), as MoonViT's patch embedding.
     "pos_interp": {
-        "mode": ("bicubic", "bilinear"),
+        "mode": ("bicubic", "bilinear", "nearest"),
         "align_corners": (None, False, True),
+        "antialias": (False, True),  # F.interpolate's bilinear / bicubic only
         "size": (4, 2, 3, 5),
         "layout": ("hwd", "dhw"),
         "compare": ("none", "size", "list"),  # upstream's `[h, w] == weight.shape[:-1]` (never true) / a real value branch
@@ -415,7 +416,9 @@ def _pos_interp(out: _Writer, s: Statement) -> None:
         source = f"self.pos{k}"
         compare = "none"
     mode, align = s.get("mode"), s.get("align_corners")
-    align_text = "" if align is None else f", align_corners={align}"
+    align_text = "" if align is None or mode == "nearest" else f", align_corners={align}"  # nearest takes none
+    if mode != "nearest" and s.get("antialias"):
+        align_text += ", antialias=True"
     time = s.get("time") if out.dims == 3 else "none"
     if time != "none":
         out.member(f'self.register_buffer("time{k}", torch.randn(4, {width}))')
