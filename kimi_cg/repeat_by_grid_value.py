@@ -7,8 +7,8 @@ transformers' Kimi-K2.5 tower builds its per-patch frame index item by item:
 composite whose C++ kernel checks ``repeats >= 0`` before it unsqueezes, expands and flattens. Up to
 torch 2.12 that check is a plain comparison, so dynamo has to decide ``u1 * u2 >= 0`` for unbacked
 ``u1, u2``, which it cannot (h and w could have opposite signs as far as it knows): on torch 2.11 (the
-H200 host's) the tower's ``get_vision_frame_index`` frame broke out and ran eagerly between two lifted
-pieces at every call. torch 2.13 makes the check a runtime assertion.
+GPU hosts') the tower's ``get_vision_frame_index`` frame broke out and ran eagerly between two lifted
+pieces at every call. torch 2.13 no longer asks dynamo to decide it.
 
 So while dynamo traces a kimi_cg frame, a call with a symbolic count is traced as the composite's own
 steps with the check as ``torch._check`` (a runtime assertion on the count, as torch 2.13 does):

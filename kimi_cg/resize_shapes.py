@@ -7,8 +7,8 @@ node; to learn its output's size it runs the call on fake tensors, and the upsam
 decompositions (registered at their Autograd / CompositeImplicitAutograd keys, so they run before a
 fake tensor's meta kernel is consulted) do the whole interpolation symbolically: index arithmetic and
 clamps on the item's unbacked height and width, some 60 fake ops each adding symbolic expressions.
-On the real Kimi-VL config that was 0.6 s of dynamo's time per item, a quarter of an 8-item trace
-(2026-12-06, torch 2.13, profiled on a 2-core CPU host), paid once per item at every new item count.
+On the real Kimi-VL config that was ~0.3 s of dynamo's time per item, a quarter of an 8-item trace
+(2026-12-06, torch 2.13, a 2-core CPU host: scripts/trace_bench.py), paid per item at every new item count.
 
 What that run yields is only the output's metadata, which is known without it: the input's batch
 and channel dims, then the requested size, in the input's dtype, on its device, in the memory format
@@ -65,7 +65,7 @@ def output_like(input: torch.Tensor, output_size) -> torch.Tensor:
                        memory_format=memory_format)
 
 
-def _wrap(op, key, kernel):
+def _wrap(op, kernel):
     def resize(input, output_size, *args, **kwargs):
         if _traced_by_shape(input, output_size):
             counters["resizes_traced_by_shape"] += 1
@@ -91,7 +91,7 @@ def install() -> None:
                 if kernel is None or (op, key) in _wrapped:
                     continue
                 _wrapped[(op, key)] = kernel
-                op.py_kernels[key] = _wrap(op, key, kernel)
+                op.py_kernels[key] = _wrap(op, kernel)
                 op._dispatch_cache.clear()
 
 

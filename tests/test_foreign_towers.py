@@ -236,7 +236,8 @@ REPLAYS_EVERY_CALL = {"kimi_k25", "qwen2_vl", "qwen2_5_vl", "glm4v", "qwen3_vl",
                       "minimax_m3_vl", "qwen4_exp", "cohere_compass", "muse_glimmer", "muse_spark"}
 # Device-program calls (replays or plain runs) per tower call once traced: the pieces around graph
 # breaks, not one per layer. Kimi-K2.5 is one piece on torch 2.11 and 2.13 (NOTE [int of a grid comparison],
-# NOTE [repeat by a grid value]); Qwen2-VL and GLM-4V are one piece, the whole forward on its flash branch (NOTE [flash path] in kimi_cg/attention_substitutes.py).
+# NOTE [repeat by a grid value]); Qwen2-VL and GLM-4V are one piece, the whole forward on its flash branch
+# (NOTE [flash path] in kimi_cg/attention_substitutes.py).
 # Qwen2.5-VL's first calls run its forward eagerly (NOTE [settings ladder]); the frames dynamo traces
 # inside that eager run (its blocks, permute_input_for_window_attn) run as dynamo captured them, not as
 # device programs (NOTE [calls inside a frame traced again]). Once the forward is traced, every call replays.

@@ -555,7 +555,8 @@ def build_radio(attn_implementation: str = "sdpa", seed: int = 0) -> Tower:
     if "image_grid_hw" not in inspect.signature(model_class.forward).parameters:  # transformers <= 5.17
         import transformers
 
-        raise TowerUnavailable(f"transformers {transformers.__version__}'s RadioModel has no packed path (image_grid_hw)")
+        raise TowerUnavailable(f"transformers {transformers.__version__}'s RadioModel has no packed path "
+                               "(image_grid_hw)")
     config = config_class(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                           mlp_ratio=INTERMEDIATE / HIDDEN, num_channels=3, patch_size=PATCH, image_size=8 * PATCH,
                           max_img_size=8 * PATCH, num_cls_tokens=2, num_registers=1)
