@@ -97,7 +97,7 @@ def _lift(work: torch.fx.GraphModule, pristine: torch.fx.GraphModule, inputs, ac
     compiler = _resolve_compiler(config, example_inputs)
     if not _has_dynamic_patch_count(inputs):
         compiler = "eager"  # dynamo's first, static-shape trace serves one L: not worth an Inductor compile
-    device = get_device_program(lifted.device.gm, compiler, host_inputs)
+    device = get_device_program(lifted.device.gm, compiler, host_inputs, config.inductor_config)
     try:
         write_lift_report(dump, lifted, host, device, inputs, device_input_kinds(lifted, inputs))
     except Exception:  # noqa: BLE001 - a debugging aid must never change what runs

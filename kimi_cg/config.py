@@ -106,6 +106,14 @@ class KimiCGConfig:
     """Testing aid: fill the CUDA-graph memory pool with NaN before capturing, so that any read of
     memory the graphs did not write shows up as NaN in the outputs (NOTE [padding rules])."""
 
+    inductor_config: Any = None
+    """Inductor settings for compiling device programs, e.g. ``{"max_autotune": True}``: names from
+    ``torch._inductor.config`` (dotted for nested ones, ``"triton.cudagraphs"``), each value a bool, int,
+    float, str or None. In force only while kimi_cg compiles a device program with Inductor (never for
+    other compiles, nor for the "eager" device compiler); part of the device program's identity and of its
+    program cache entry, so programs compiled with other settings are not shared. Stored as sorted
+    (name, value) pairs; None or an empty mapping: Inductor's settings as they are."""
+
     strict: bool = False
     """False (default): a graph or call kimi_cg cannot lift runs the captured graph unchanged (correct,
     with its host syncs), counted in ``kimi_cg.fallbacks`` by reason and warned once per source
@@ -140,6 +148,7 @@ class KimiCGConfig:
         _check_int("max_frames", self.max_frames, 1, MAX_FRAMES)
         _check_int("exact_size_graphs", self.exact_size_graphs, 0, MAX_EXACT_SIZE_GRAPHS)
         _check_int("attention_length_classes", self.attention_length_classes, 1, MAX_LENGTH_CLASSES)
+        object.__setattr__(self, "inductor_config", _inductor_settings(self.inductor_config))
         for name in ("poison_graph_pool", "strict"):
             if not isinstance(getattr(self, name), bool):
                 _reject(name, getattr(self, name), "True or False")
@@ -183,6 +192,31 @@ def validate_options(options: Mapping[str, Any] | None) -> KimiCGConfig:
     the resulting config. torch.compile defers the backend until the compiled model is first called,
     so a bad option otherwise surfaces only then; this raises the same ValueError now."""
     return KimiCGConfig.from_options(options)
+
+
+_PLAIN_SETTING = (bool, int, float, str, type(None))
+
+
+def _inductor_settings(value: Any) -> tuple | None:
+    """``inductor_config`` as sorted (name, value) pairs, each checked against Inductor's settings."""
+    expected = "None or a dict of torch._inductor.config settings to bool / int / float / str / None values"
+    if value is None:
+        return None
+    if isinstance(value, tuple) and all(isinstance(pair, tuple) and len(pair) == 2 for pair in value):
+        value = dict(value)  # a config's own stored form
+    if not isinstance(value, Mapping):
+        _reject("inductor_config", value, expected)
+    if not value:
+        return None
+    import torch._inductor.config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    for name, setting in value.items():
+        if not isinstance(name, str) or name not in known:
+            _reject("inductor_config", value, f"names of torch._inductor.config settings ({name!r} is not one)")
+        if not isinstance(setting, _PLAIN_SETTING):
+            _reject("inductor_config", value, f"bool / int / float / str / None values ({name} is not)")
+    return tuple(sorted(value.items()))
 
 
 def _is_int(value: Any) -> bool:

@@ -109,11 +109,13 @@ def _constant_key(gm: torch.fx.GraphModule, target: str, by_content: bool = Fals
 class DeviceProgram:
     """One device program and its compiled callable."""
 
-    def __init__(self, gm: torch.fx.GraphModule, key: str, compiler: str, host_inputs: frozenset[int] = frozenset()):
+    def __init__(self, gm: torch.fx.GraphModule, key: str, compiler: str, host_inputs: frozenset[int] = frozenset(),
+                 inductor_config: tuple | None = None):
         self.gm = gm
         self.key = key
         self.compiler = compiler
         self.host_inputs = host_inputs
+        self.inductor_config = inductor_config  # KimiCGConfig.inductor_config: in force while it compiles
         self._compiled: list[tuple["ShapeAssumptions", object]] = []  # NOTE [hints of a symbolic run]
         self._compiled_by_shape: dict = {}
         self._compile_error: Exception | None = None  # a failed compile is not retried on every call
@@ -185,29 +187,36 @@ class DeviceProgram:
 
     def _compile(self, inputs, signature):
         if self.compiler == "inductor":
-            from torch._inductor.codecache import PyCodeCache
+            import torch._inductor.config as inductor_config
 
-            from kimi_cg import program_cache
-
-            before = len(PyCodeCache.modules)
-            root = program_cache.directory()  # NOTE [program cache]
-            found = entry = None
-            if root is not None:
-                structure = structural_hash(self.gm, self.host_inputs, constants_by_content=True)
-                entry = (root, program_cache.entry_key(structure, inputs, self.host_inputs))
-                found = program_cache.find(*entry, lambda a: a.hold(self._size_positions, signature))
-            if found is not None:
-                assumptions, compiled = found
-            else:
-                assumptions, compiled = _compile_with_inductor(self.gm, inputs, self.host_inputs, entry)
-            self.inductor_code = _source_of(PyCodeCache.modules[before:])
-            for dump in self.dumps:
-                dump.shared_file("device_programs", f"{self.key}.inductor", lambda: self.inductor_code or
-                                 "# Inductor's output code was not found (served from a cache without loading a module)",
-                                 field="inductor_code_file")
-            self.dumps.clear()  # written: the program no longer needs to reach the graphs' dumps
-            return assumptions, compiled
+            with inductor_config.patch(dict(self.inductor_config or ())):  # the program cache's key reads them too
+                return self._compile_with_inductor(inputs, signature)
         raise ValueError(f"unknown device compiler {self.compiler!r}")
+
+    def _compile_with_inductor(self, inputs, signature):
+        """Inductor's compile of this program, or the program cache's entry for it (NOTE [program cache])."""
+        from torch._inductor.codecache import PyCodeCache
+
+        from kimi_cg import program_cache
+
+        before = len(PyCodeCache.modules)
+        root = program_cache.directory()  # NOTE [program cache]
+        found = entry = None
+        if root is not None:
+            structure = structural_hash(self.gm, self.host_inputs, constants_by_content=True)
+            entry = (root, program_cache.entry_key(structure, inputs, self.host_inputs))
+            found = program_cache.find(*entry, lambda a: a.hold(self._size_positions, signature))
+        if found is not None:
+            assumptions, compiled = found
+        else:
+            assumptions, compiled = _compile_with_inductor(self.gm, inputs, self.host_inputs, entry)
+        self.inductor_code = _source_of(PyCodeCache.modules[before:])
+        for dump in self.dumps:
+            dump.shared_file("device_programs", f"{self.key}.inductor", lambda: self.inductor_code or
+                             "# Inductor's output code was not found (served from a cache without loading a module)",
+                             field="inductor_code_file")
+        self.dumps.clear()  # written: the program no longer needs to reach the graphs' dumps
+        return assumptions, compiled
 
     def output_rows(self, inputs) -> list[int | None]:
         """The leading size each output has for these (unpadded) inputs (None: not a tensor of a dim
@@ -577,11 +586,15 @@ def _concrete_output_shapes(gm: torch.fx.GraphModule, inputs) -> list[tuple[int,
     return [tuple(map(int, output.shape)) if isinstance(output, torch.Tensor) and output.dim() else None for output in outputs]
 
 
-def get_device_program(gm: torch.fx.GraphModule, compiler: str, host_inputs: frozenset[int] = frozenset()) -> DeviceProgram:
-    key = f"{compiler}:{structural_hash(gm, host_inputs)}"
+def get_device_program(gm: torch.fx.GraphModule, compiler: str, host_inputs: frozenset[int] = frozenset(),
+                       inductor_config: tuple | None = None) -> DeviceProgram:
+    if compiler != "inductor":
+        inductor_config = None
+    settings = "" if not inductor_config else ":" + hashlib.sha256(repr(inductor_config).encode()).hexdigest()[:8]
+    key = f"{compiler}{settings}:{structural_hash(gm, host_inputs)}"
     program = _PROGRAMS.get(key)
     if program is None:
-        program = DeviceProgram(gm, key, compiler, host_inputs)
+        program = DeviceProgram(gm, key, compiler, host_inputs, inductor_config)
         _PROGRAMS[key] = program
         counters["device_programs_compiled"] += 1
         logger.info("kimi_cg: new device program %s (%d nodes)", key, len(gm.graph.nodes))

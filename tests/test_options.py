@@ -51,6 +51,11 @@ BAD_OPTIONS = [
     ("poison_graph_pool", None),
     ("strict", 1),
     ("strict", "False"),
+    ("inductor_config", {"max_autotun": True}),  # a typo: not a setting
+    ("inductor_config", {"max_autotune": [True]}),
+    ("inductor_config", {1: True}),
+    ("inductor_config", "max_autotune"),
+    ("inductor_config", [("max_autotune", True), "x"]),
 ]
 
 
@@ -124,3 +129,46 @@ def test_valid_options_still_compile_and_match_eager(budgets, eager_fallbacks):
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert kimi_cg.counters["lift_fallbacks"] == 0
     assert kimi_cg.counters["eager_fallbacks"] == eager_fallbacks
+
+
+def test_inductor_config_is_stored_sorted_and_keys_the_device_program():
+    from kimi_cg.device_program import get_device_program
+
+    config = KimiCGConfig.from_options({"inductor_config": {"max_autotune": True, "epilogue_fusion": False}})
+    assert config.inductor_config == (("epilogue_fusion", False), ("max_autotune", True))
+    assert KimiCGConfig(inductor_config=config.inductor_config) == config  # its stored form is accepted again
+    assert KimiCGConfig.from_options({"inductor_config": {}}).inductor_config is None
+    assert config.compute_hash() != KimiCGConfig().compute_hash()
+    gm = torch.fx.symbolic_trace(lambda x: x * 2)
+    plain, tuned = get_device_program(gm, "inductor"), get_device_program(gm, "inductor", inductor_config=config.inductor_config)
+    assert plain is not tuned and tuned.inductor_config == config.inductor_config
+    assert get_device_program(gm, "eager", inductor_config=config.inductor_config) is get_device_program(gm, "eager")
+
+
+def test_inductor_config_is_in_force_only_while_kimi_cg_compiles(monkeypatch):
+    import torch._inductor.config as inductor_config
+
+    from kimi_cg import device_program
+
+    seen = []
+    original = device_program._compile_with_inductor
+
+    def recording(*args, **kwargs):
+        seen.append((inductor_config.epilogue_fusion, inductor_config.max_fusion_size))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(device_program, "_compile_with_inductor", recording)
+    before = (inductor_config.epilogue_fusion, inductor_config.max_fusion_size)
+    torch.manual_seed(0)
+    model = MoonVitPretrainedModel(MoonVitConfig.tiny()).eval()
+    options = {"device_compiler": "inductor", "inductor_config": {"epilogue_fusion": not before[0], "max_fusion_size": 7}}
+    compiled = torch.compile(model, backend="kimi_cg", options=options)
+    with torch.no_grad():
+        for grid in ([[4, 6]], [[6, 6]]):
+            grid = torch.tensor(grid)
+            pixel_values = torch.randn(int(grid.prod()), 3, 14, 14)
+            for got, want in zip(compiled(pixel_values, grid), model(pixel_values, grid)):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert seen and all(settings == (not before[0], 7) for settings in seen), seen
+    assert (inductor_config.epilogue_fusion, inductor_config.max_fusion_size) == before
+    assert kimi_cg.counters["lift_fallbacks"] == kimi_cg.counters["call_fallbacks"] == 0
