@@ -35,7 +35,6 @@ import statistics
 import time
 
 import torch
-import torch._inductor.config as inductor_config
 
 import kimi_cg
 from kimi_cg.models import MoonViT3dConfig, MoonViT3dPretrainedModel, MoonVitConfig, MoonVitPretrainedModel
@@ -162,32 +161,17 @@ class StockDynamo:
 KIMI_CG_VARIANTS = {
     "kimi_cg": {},
     "kimi_cg_one_length_class": {"attention_length_classes": 1},  # NOTE [segment-length classes] off
-    "kimi_cg_max_autotune": {},  # Inductor's GEMM autotuning for the device program (INDUCTOR_PATCHES)
+    # Inductor's GEMM autotuning for the device program, in force only while kimi_cg compiles it
+    "kimi_cg_max_autotune": {"inductor_config": {"max_autotune": True, "max_autotune_gemm": True}},
     "kimi_cg_small_buckets": {"min_tokens": 256},  # the ladder from 256 patches: W5's requests pad less
     "kimi_cg_large_buckets": {"max_tokens": 32768},  # W4_3d's requests over 16,384 rows replay unsplit
 }
-# Inductor configuration a variant's calls run under (its device program compiles inside its first calls).
-INDUCTOR_PATCHES = {"kimi_cg_max_autotune": {"max_autotune": True, "max_autotune_gemm": True}}
-
-
-class WithInductorConfig:
-    """A compiled system whose calls (so its device program's compile) run under Inductor settings."""
-
-    def __init__(self, compiled, patches: dict):
-        self.compiled, self.patches = compiled, patches
-
-    def __call__(self, *args):
-        with inductor_config.patch(self.patches):
-            return self.compiled(*args)
-
-
 def build_system(name: str, model, device_compiler: str = "auto"):
     if name == "eager":
         return model
     if name in KIMI_CG_VARIANTS:
         options = {"device_compiler": device_compiler, **KIMI_CG_VARIANTS[name]}
-        compiled = torch.compile(model, backend="kimi_cg", options=options)
-        return WithInductorConfig(compiled, INDUCTOR_PATCHES[name]) if name in INDUCTOR_PATCHES else compiled
+        return torch.compile(model, backend="kimi_cg", options=options)
     if name == "inductor":
         return StockDynamo(torch.compile(model))
     if name == "inductor_reduce_overhead":
@@ -200,9 +184,8 @@ def build_system(name: str, model, device_compiler: str = "auto"):
 
 
 def warm_up(name: str, system, inputs) -> dict:
-    """kimi_cg.warm_up of a kimi_cg variant, under its Inductor settings."""
-    with inductor_config.patch(INDUCTOR_PATCHES.get(name, {})):
-        return kimi_cg.warm_up(getattr(system, "compiled", system), *inputs, max_items=8)
+    """kimi_cg.warm_up of a kimi_cg variant (its Inductor settings are its options')."""
+    return kimi_cg.warm_up(system, *inputs, max_items=8)
 
 
 def compile_count(name: str, system=None) -> int:
