@@ -112,14 +112,10 @@ def test_bad_option_raises_at_first_call_of_the_compiled_model():
         compiled(pixel_values, grid)
 
 
-@pytest.mark.parametrize("budgets, eager_fallbacks", [([64, 16], 0), ([16], 2)])
-def test_valid_options_still_compile_and_match_eager(budgets, eager_fallbacks):
-    """The user's bucket list is honoured. Both calls (24 and 36 patches) run the one program, dynamic in
-    the patch count from the first trace (NOTE [dynamic first trace]): a 64-patch bucket takes them, a
-    list of only 16 sends them to the non-graphed program."""
+def compile_tiny_tower_and_compare(options: dict) -> None:
+    """The tiny MoonViT compiled with ``options``, called on a 24- then a 36-patch image: equal to eager."""
     torch.manual_seed(0)
     model = MoonVitPretrainedModel(MoonVitConfig.tiny()).eval()
-    options = {"token_budgets": budgets, "cuda_graphs": True, "max_items": 2, "debug_dir": None}
     compiled = torch.compile(model, backend="kimi_cg", options=options)
     with torch.no_grad():
         for grid in ([[4, 6]], [[6, 6]]):
@@ -127,6 +123,14 @@ def test_valid_options_still_compile_and_match_eager(budgets, eager_fallbacks):
             pixel_values = torch.randn(int(grid.prod()), 3, 14, 14)
             for got, want in zip(compiled(pixel_values, grid), model(pixel_values, grid)):
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("budgets, eager_fallbacks", [([64, 16], 0), ([16], 2)])
+def test_valid_options_still_compile_and_match_eager(budgets, eager_fallbacks):
+    """The user's bucket list is honoured. Both calls (24 and 36 patches) run the one program, dynamic in
+    the patch count from the first trace (NOTE [dynamic first trace]): a 64-patch bucket takes them, a
+    list of only 16 sends them to the non-graphed program."""
+    compile_tiny_tower_and_compare({"token_budgets": budgets, "cuda_graphs": True, "max_items": 2, "debug_dir": None})
     assert kimi_cg.counters["lift_fallbacks"] == 0
     assert kimi_cg.counters["eager_fallbacks"] == eager_fallbacks
 
@@ -159,16 +163,8 @@ def test_inductor_config_is_in_force_only_while_kimi_cg_compiles(monkeypatch):
 
     monkeypatch.setattr(device_program, "_compile_with_inductor", recording)
     before = (inductor_config.epilogue_fusion, inductor_config.max_fusion_size)
-    torch.manual_seed(0)
-    model = MoonVitPretrainedModel(MoonVitConfig.tiny()).eval()
-    options = {"device_compiler": "inductor", "inductor_config": {"epilogue_fusion": not before[0], "max_fusion_size": 7}}
-    compiled = torch.compile(model, backend="kimi_cg", options=options)
-    with torch.no_grad():
-        for grid in ([[4, 6]], [[6, 6]]):
-            grid = torch.tensor(grid)
-            pixel_values = torch.randn(int(grid.prod()), 3, 14, 14)
-            for got, want in zip(compiled(pixel_values, grid), model(pixel_values, grid)):
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    compile_tiny_tower_and_compare({"device_compiler": "inductor",
+                                    "inductor_config": {"epilogue_fusion": not before[0], "max_fusion_size": 7}})
     assert seen and all(settings == (not before[0], 7) for settings in seen), seen
     assert (inductor_config.epilogue_fusion, inductor_config.max_fusion_size) == before
     assert kimi_cg.counters["lift_fallbacks"] == kimi_cg.counters["call_fallbacks"] == 0
