@@ -190,10 +190,10 @@ class DeviceProgram:
             import torch._inductor.config as inductor_config
 
             with inductor_config.patch(dict(self.inductor_config or ())):  # the program cache's key reads them too
-                return self._compile_with_inductor(inputs, signature)
+                return self._inductor_compile(inputs, signature)
         raise ValueError(f"unknown device compiler {self.compiler!r}")
 
-    def _compile_with_inductor(self, inputs, signature):
+    def _inductor_compile(self, inputs, signature):
         """Inductor's compile of this program, or the program cache's entry for it (NOTE [program cache])."""
         from torch._inductor.codecache import PyCodeCache
 
