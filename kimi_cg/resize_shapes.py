@@ -1,8 +1,8 @@
 """How ``F.interpolate`` is traced in kimi_cg frames: by its output's shape, not its arithmetic.
 
 NOTE [resize traced by shape]
-Towers resize a learned position table to every item's size (MoonViT and Kimi-K2.5: bicubic
-``F.interpolate`` of a 64 x 64 grid per item of ``grid_hws.tolist()``). Dynamo records the call as one
+Towers resize a learned position table to every item's size (MoonViT, as Kimi-VL's remote code ships it:
+bicubic ``F.interpolate`` of a 64 x 64 grid per item of ``grid_hws.tolist()``). Dynamo records the call as one
 node; to learn its output's size it runs the call on fake tensors, and the upsample ops' Python
 decompositions (registered at their Autograd / CompositeImplicitAutograd keys, so they run before a
 fake tensor's meta kernel is consulted) do the whole interpolation symbolically: index arithmetic and
@@ -27,13 +27,9 @@ tests/test_resize_shapes.py checks the metadata against the decompositions' for 
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from kimi_cg.counters import counters
-
-logger = logging.getLogger(__name__)
 
 # ``aten`` upsample ops whose overloads take ``(input, output_size, ...)``; spatial dims by name.
 OPS = ("upsample_nearest1d", "upsample_linear1d", "upsample_nearest2d", "upsample_bilinear2d", "upsample_bicubic2d",
