@@ -16,8 +16,8 @@ import weakref
 import torch
 
 from kimi_cg import capture, dynamo_settings
-from kimi_cg.canonicalize import (FuseGatherLayerNormPass, GatherReducePass, MergeGatherPass, RealRopePass, ScatterMergePass, SegmentAttentionPass,
-                                  SeparableResizePass)
+from kimi_cg.canonicalize import (FuseGatherLayerNormPass, GatherReducePass, MergeGatherPass, PatchConvPass, RealRopePass,
+                                  ScatterMergePass, SegmentAttentionPass, SeparableResizePass)
 from kimi_cg.config import KimiCGConfig
 from kimi_cg.counters import counters, timings
 from kimi_cg.device_program import get_device_program
@@ -87,6 +87,7 @@ def _lift(work: torch.fx.GraphModule, pristine: torch.fx.GraphModule, inputs, ac
     MergeGatherPass(dump)(work)
     FuseGatherLayerNormPass(dump)(work)
     RealRopePass(dump)(work)
+    PatchConvPass(dump)(work)
     inputs = capture.classify_inputs(work)
     lifted = split(work, inputs)
     grid_inputs = [item.index for item in inputs if item.role is capture.InputRole.GRID]

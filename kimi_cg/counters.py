@@ -23,6 +23,8 @@ Keys (missing keys read as 0):
                               [repeat by a grid value] in repeat_by_grid_value.py)
   resizes_traced_by_shape     F.interpolate calls whose fake run in dynamo's trace gave only the output's
                               metadata (NOTE [resize traced by shape] in resize_shapes.py)
+  patch_convolutions_as_matmuls  convolutions over pre-cut patches traced as one matmul (NOTE [patch
+                              convolution as a matmul] in canonicalize/patch_conv.py), per dynamo graph
   metadata_cache_hits/misses  per-item host metadata lookups
   batch_cache_hits            calls whose whole host pass was reused (same grid, same weights)
   state_content_checks        state tensors compared with their snapshot (NOTE [state tokens])

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import hashlib
 import importlib.util
 import json
@@ -209,6 +210,9 @@ STATEMENT_OPTIONS: dict[str, dict[str, tuple]] = {
     },
     # Views of a buffer that is later mutated in place.
     "buffer_view": {"variant": ("prefix_add", "slice_fill", "clone_view", "copy_add", "column_view")},
+    # A convolution over rows seen as pre-cut patches, as the towers' patch embeddings (NOTE [patch
+    # convolution as a matmul]); padding 1 makes it an ordinary convolution, which stays one.
+    "patch_conv": {"dims": (2, 3, 1), "stride": ("kernel", "one"), "bias": (True, False), "padding": (0, 1)},
 }
 
 RETURN_OPTIONS: dict[str, dict[str, tuple]] = {
@@ -239,6 +243,7 @@ STATEMENT_WEIGHTS = {
     "pool": 2,
     "permute": 2,
     "buffer_view": 2,
+    "patch_conv": 1,
 }
 RETURN_WEIGHTS = {"x": 3, "list": 2, "tuple": 2, "merger": 4, "merge_index_add": 1, "pool_list": 1}
 
@@ -889,6 +894,17 @@ def _buffer_view(out: _Writer, s: Statement) -> None:
         out.line(f"x = x + v{k}.repeat(1, 2)")
 
 
+def _patch_conv(out: _Writer, s: Statement) -> None:
+    k, width, dims = out.fresh(), out.width, s.get("dims")
+    kernel = {1: (2,), 2: (2, 2), 3: (2, 1, 2)}[dims]
+    channels = width // math.prod(kernel)
+    stride = kernel if s.get("stride") == "kernel" else 1
+    out.member(f"self.conv{k} = nn.Conv{dims}d({channels}, {width}, kernel_size={kernel}, stride={stride}, "
+               f"padding={s.get('padding')}, bias={s.get('bias')})")
+    patches = ", ".join(str(side) for side in kernel)
+    out.line(f"x = self.conv{k}(x.reshape(x.shape[0], {channels}, {patches})).flatten(2).mean(-1)")
+
+
 _STATEMENT_RENDERERS: dict[str, Callable[[_Writer, Statement], None]] = {
     "linear": _linear,
     "pos_interp": _pos_interp,
@@ -903,6 +919,7 @@ _STATEMENT_RENDERERS: dict[str, Callable[[_Writer, Statement], None]] = {
     "pool": _pool,
     "permute": _permute,
     "buffer_view": _buffer_view,
+    "patch_conv": _patch_conv,
 }
 
 
