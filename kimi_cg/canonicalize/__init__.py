@@ -17,5 +17,5 @@ from kimi_cg.canonicalize.scatter_merge import ScatterMergePass
 from kimi_cg.canonicalize.segment_attention import SegmentAttentionPass
 from kimi_cg.canonicalize.separable_resize import SeparableResizePass
 
-__all__ = ["FuseGatherLayerNormPass", "GatherReducePass", "GraphPass", "MergeGatherPass", "PatchConvPass", "RealRopePass", "ScatterMergePass",
-           "SegmentAttentionPass", "SeparableResizePass"]
+__all__ = ["FuseGatherLayerNormPass", "GatherReducePass", "GraphPass", "MergeGatherPass", "PatchConvPass",
+           "RealRopePass", "ScatterMergePass", "SegmentAttentionPass", "SeparableResizePass"]
