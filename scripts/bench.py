@@ -166,6 +166,8 @@ KIMI_CG_VARIANTS = {
     "kimi_cg_small_buckets": {"min_tokens": 256},  # the ladder from 256 patches: W5's requests pad less
     "kimi_cg_large_buckets": {"max_tokens": 32768},  # W4_3d's requests over 16,384 rows replay unsplit
 }
+
+
 def build_system(name: str, model, device_compiler: str = "auto"):
     if name == "eager":
         return model
@@ -181,11 +183,6 @@ def build_system(name: str, model, device_compiler: str = "auto"):
 
         return SeedStyleMoonVit(model, max_output_tokens=4096)
     raise ValueError(name)
-
-
-def warm_up(name: str, system, inputs) -> dict:
-    """kimi_cg.warm_up of a kimi_cg variant (its Inductor settings are its options')."""
-    return kimi_cg.warm_up(system, *inputs, max_items=8)
 
 
 def compile_count(name: str, system=None) -> int:
@@ -471,7 +468,7 @@ def main() -> None:
             kimi_cg.reset()
             system = build_system(name, vit, args.device_compiler)
             if name in KIMI_CG_VARIANTS and args.kimi_cg_warm_up:
-                extras[f"{name}_warm_up"] = warm_up(name, system, make_inputs([[16, 16]], 0))
+                extras[f"{name}_warm_up"] = kimi_cg.warm_up(system, *make_inputs([[16, 16]], 0), max_items=8)
             for workload, grid in (("W1", [[32, 32]]), ("W2", W2), ("W3", [[128, 128]])):
                 if workload not in workloads:
                     continue
@@ -538,7 +535,7 @@ def main() -> None:
                     continue  # the seeds run video chunks eagerly (a sentinel size); no graph-safe 3D path
                 system = build_system(name, vit3d, args.device_compiler)
                 if name in KIMI_CG_VARIANTS and args.kimi_cg_warm_up:
-                    extras[f"{name}_warm_up_3d"] = warm_up(name, system, make_inputs([[1, 16, 16]], 0))
+                    extras[f"{name}_warm_up_3d"] = kimi_cg.warm_up(system, *make_inputs([[1, 16, 16]], 0), max_items=8)
                 run = run_stream(system, lambda: compile_count(name, system), warm3d, stream3d, seed=200,
                                  budget_s=args.stream_budget_s, warmup_budget_s=warmup_budget(name), repeat=False)
                 extras[f"W4_3d_{name}_times_ms"] = run["first"]

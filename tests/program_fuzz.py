@@ -34,10 +34,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import re
 import sys

@@ -36,62 +36,47 @@ _NAMES = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
 _DEFAULTS = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}
 
 
-def _arguments(node: torch.fx.Node) -> dict | None:
+def _ints(value, spatial: int) -> tuple[int, ...] | None:
+    """A conv's int-or-sequence argument (stride, padding, dilation) as ints, None if it is not literal ints."""
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    if len(values) not in (1, spatial) or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        return None
+    return tuple(values)
+
+
+def _patch_convolution(node: torch.fx.Node) -> dict | None:
+    """The call's arguments by name when it is a convolution over whole patches, else None."""
+    spatial = _CONVOLUTIONS.get(node.target) if node.op == "call_function" else None
+    if spatial is None:
+        return None
     values = dict(_DEFAULTS)
     values.update(zip(_NAMES, node.args))
     values.update(node.kwargs)
-    return values if set(values) <= set(_NAMES) and "input" in values and "weight" in values else None
-
-
-def _all_equal(value, expected: int, spatial: int) -> bool:
-    """An int or a sequence of ints, every one ``expected`` (a conv's padding / dilation argument)."""
-    if isinstance(value, bool):
-        return False
-    if isinstance(value, int):
-        return value == expected
-    return isinstance(value, (tuple, list)) and len(value) in (1, spatial) and all(
-        isinstance(v, int) and not isinstance(v, bool) and v == expected for v in value)
-
-
-def _valid_stride(value, spatial: int) -> bool:
-    if isinstance(value, bool):
-        return False
-    if isinstance(value, int):
-        return value >= 1
-    return isinstance(value, (tuple, list)) and len(value) in (1, spatial) and all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value)
-
-
-def _is_patch_convolution(node: torch.fx.Node) -> bool:
-    spatial = _CONVOLUTIONS.get(node.target) if node.op == "call_function" else None
-    values = _arguments(node) if spatial else None
-    if values is None:
-        return False
+    if not set(values) <= set(_NAMES) or "input" not in values or "weight" not in values:
+        return None
     x, weight, bias = values["input"], values["weight"], values["bias"]
-    if not isinstance(x, torch.fx.Node) or not isinstance(weight, torch.fx.Node):
-        return False
-    if bias is not None and not isinstance(bias, torch.fx.Node):
-        return False
-    x_value, w_value = example_value(x), example_value(weight)
-    b_value = example_value(bias) if bias is not None else None
-    tensors = [v for v in (x_value, w_value, b_value) if v is not None]
-    if not all(isinstance(v, torch.Tensor) for v in tensors) or (bias is not None and b_value is None):
-        return False
-    if not all(v.dtype.is_floating_point and v.dtype == x_value.dtype for v in tensors):
-        return False
+    if not all(isinstance(n, torch.fx.Node) for n in (x, weight) + (() if bias is None else (bias,))):
+        return None
+    tensors = [example_value(n) for n in (x, weight, bias) if n is not None]
+    if not all(isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in tensors) or (
+            len({v.dtype for v in tensors}) != 1):
+        return None
+    x_value, w_value = tensors[:2]
     if x_value.dim() != spatial + 2 or w_value.dim() != spatial + 2:
-        return False  # an unbatched input, or a malformed call: eager's own error stays
-    patch = tuple(x_value.shape[1:])
-    kernel = tuple(w_value.shape[1:])
+        return None  # an unbatched input, or a malformed call: eager's own error stays
+    patch, kernel = tuple(x_value.shape[1:]), tuple(w_value.shape[1:])
     if not all(isinstance(s, int) for s in (*patch, *kernel, w_value.shape[0])) or patch != kernel:
-        return False
-    if b_value is not None and tuple(b_value.shape) != (w_value.shape[0],):
-        return False
-    padding = values["padding"]
-    if not (padding == "valid" or _all_equal(padding, 0, spatial)):
-        return False
-    return _all_equal(values["dilation"], 1, spatial) and _valid_stride(values["stride"], spatial) and (
-        isinstance(values["groups"], int) and not isinstance(values["groups"], bool) and values["groups"] == 1)
+        return None
+    if bias is not None and tuple(tensors[2].shape) != (w_value.shape[0],):
+        return None
+    padding = values["padding"] if values["padding"] == "valid" else _ints(values["padding"], spatial)
+    stride, dilation = _ints(values["stride"], spatial), _ints(values["dilation"], spatial)
+    groups = _ints(values["groups"], 1)
+    if padding != "valid" and (padding is None or any(padding)):
+        return None
+    if stride is None or min(stride) < 1 or dilation is None or set(dilation) != {1} or groups != (1,):
+        return None
+    return values
 
 
 class PatchConvPass(GraphPass):
@@ -101,9 +86,9 @@ class PatchConvPass(GraphPass):
         graph = gm.graph
         rewritten = 0
         for node in list(graph.nodes):
-            if not _is_patch_convolution(node):
+            values = _patch_convolution(node)
+            if values is None:
                 continue
-            values = _arguments(node)
             with graph.inserting_before(node):
                 patches = graph.call_function(torch.flatten, (values["input"], 1))
                 filters = graph.call_function(torch.flatten, (values["weight"], 1))
