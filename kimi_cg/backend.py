@@ -16,8 +16,8 @@ import weakref
 import torch
 
 from kimi_cg import capture, dynamo_settings
-from kimi_cg.canonicalize import (FuseGatherLayerNormPass, GatherReducePass, MergeGatherPass, PatchConvPass, RealRopePass,
-                                  ScatterMergePass, SegmentAttentionPass, SeparableResizePass)
+from kimi_cg.canonicalize import (FuseGatherLayerNormPass, GatherReducePass, LinearGeluPass, MergeGatherPass, PatchConvPass,
+                                  RealRopePass, ScatterMergePass, SegmentAttentionPass, SeparableResizePass)
 from kimi_cg.config import KimiCGConfig
 from kimi_cg.counters import counters, timings
 from kimi_cg.device_program import get_device_program
@@ -88,6 +88,8 @@ def _lift(work: torch.fx.GraphModule, pristine: torch.fx.GraphModule, inputs, ac
     FuseGatherLayerNormPass(dump)(work)
     RealRopePass(dump)(work)
     PatchConvPass(dump)(work)
+    if config.linear_gelu_epilogue:
+        LinearGeluPass(dump)(work)
     inputs = capture.classify_inputs(work)
     lifted = split(work, inputs)
     grid_inputs = [item.index for item in inputs if item.role is capture.InputRole.GRID]

@@ -102,6 +102,11 @@ class KimiCGConfig:
     classes] in runtime/graphs.py). 1 disables. Each class costs a capture per bucket (warm-up time);
     its intermediates share the buckets' pool and it writes the bucket's own output buffers."""
 
+    linear_gelu_epilogue: bool = True
+    """Trace a linear layer whose only use is a tanh GELU as one op that CUDA runs as a cuBLASLt GEMM
+    with bias and GELU in its epilogue, in bf16 / fp16 (NOTE [linear + GELU epilogue] in
+    canonicalize/linear_gelu.py). False keeps the linear and the GELU as written."""
+
     poison_graph_pool: bool = False
     """Testing aid: fill the CUDA-graph memory pool with NaN before capturing, so that any read of
     memory the graphs did not write shows up as NaN in the outputs (NOTE [padding rules])."""
@@ -149,7 +154,7 @@ class KimiCGConfig:
         _check_int("exact_size_graphs", self.exact_size_graphs, 0, MAX_EXACT_SIZE_GRAPHS)
         _check_int("attention_length_classes", self.attention_length_classes, 1, MAX_LENGTH_CLASSES)
         object.__setattr__(self, "inductor_config", _inductor_settings(self.inductor_config))
-        for name in ("poison_graph_pool", "strict"):
+        for name in ("linear_gelu_epilogue", "poison_graph_pool", "strict"):
             if not isinstance(getattr(self, name), bool):
                 _reject(name, getattr(self, name), "True or False")
 

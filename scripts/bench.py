@@ -161,11 +161,29 @@ class StockDynamo:
 KIMI_CG_VARIANTS = {
     "kimi_cg": {},
     "kimi_cg_one_length_class": {"attention_length_classes": 1},  # NOTE [segment-length classes] off
+    "kimi_cg_no_linear_gelu": {"linear_gelu_epilogue": False},  # NOTE [linear + GELU epilogue] off
     # Inductor's GEMM autotuning for the device program, in force only while kimi_cg compiles it
     "kimi_cg_max_autotune": {"inductor_config": {"max_autotune": True, "max_autotune_gemm": True}},
     "kimi_cg_small_buckets": {"min_tokens": 256},  # the ladder from 256 patches: W5's requests pad less
     "kimi_cg_large_buckets": {"max_tokens": 32768},  # W4_3d's requests over 16,384 rows replay unsplit
 }
+
+
+def gemm_peak_tflops(size: int = 8192, calls: int = 20) -> float:
+    """The bf16 [size]^3 matmul's rate on this GPU, best of three timings of ``calls`` matmuls."""
+    a, b = (torch.randn(size, size, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    best = float("inf")
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            a @ b
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) / calls)
+    return 2 * size ** 3 / best / 1e9
 
 
 def build_system(name: str, model, device_compiler: str = "auto"):
@@ -457,6 +475,8 @@ def main() -> None:
         return summary
 
     torch.manual_seed(0)
+    if DEVICE == "cuda":  # the roofline's GEMM peak, on this GPU (scripts/roofline.py reads it)
+        extras["gemm_peak_tflops"] = gemm_peak_tflops()
     if args.replay_breakdown and DEVICE == "cuda":
         ReplayTimer().__enter__()  # for the whole process
     vit = MoonVitPretrainedModel(vit_config).to(DEVICE, torch.bfloat16).eval()

@@ -13,7 +13,8 @@ replay runs them (padding rows included; a request over the largest bucket runs 
 most that bucket, counted at the largest bucket per piece, an upper bound). Kernel time is the
 report's replay time (CUDA events around graph replays: W1's replay-only figure, W4's replay mean)
 or, where the report has none (W2, W3), the end-to-end time, an upper bound. The GEMM peak is the
-bf16 8192^3 matmul measured on the H200 (805 TFLOP/s).
+bf16 8192^3 matmul bench.py measures on the report's GPU (``extras["gemm_peak_tflops"]``); reports from
+before it did are from the H200, where it was 805 TFLOP/s.
 
 --tail reads the W4 pass's per-request times instead (a report's ``extras["W4_<system>_times_ms"]``,
 in stream order) and sets each system's P99 / mean beside the stream's own: the P99 / mean of the
@@ -39,7 +40,7 @@ import bench  # noqa: E402  (the workloads' grids)
 from kimi_cg.config import KimiCGConfig  # noqa: E402
 from kimi_cg.models import MoonVitConfig  # noqa: E402
 
-GEMM_PEAK_TFLOPS = 805.0
+GEMM_PEAK_TFLOPS = 805.0  # the H200's, for reports that do not carry their own
 
 
 def tower_flops(config: MoonVitConfig, grid: list[list[int]]) -> dict:
@@ -71,6 +72,7 @@ def roofline(report: dict, config: MoonVitConfig | None = None, buckets: tuple[i
     buckets = buckets or KimiCGConfig().buckets()
     results = report["results"]
     requests = results.get("W4", {}).get("kimi_cg", {}).get("calls") or 40
+    peak = report.get("extras", {}).get("gemm_peak_tflops") or GEMM_PEAK_TFLOPS
     rows = []
     for workload, grids in workload_grids(requests).items():
         measured = results.get(workload, {}).get("kimi_cg")
@@ -87,8 +89,8 @@ def roofline(report: dict, config: MoonVitConfig | None = None, buckets: tuple[i
             "workload": workload, "rows": round(mean["rows"]), "gemm_gflop": mean["gemm"] / 1e9,
             "attention_gflop": mean["attention"] / 1e9, "useful_gflop": useful / 1e9,
             "executed_gemm_gflop": executed_gemm / 1e9, "kernel_ms": kernel_ms, "kernel_ms_is_end_to_end": bound,
-            "useful_tflops": useful / kernel_ms / 1e9, "fraction_of_gemm_peak": useful / kernel_ms / 1e9 / GEMM_PEAK_TFLOPS,
-            "floor_ms_at_gemm_peak": useful / GEMM_PEAK_TFLOPS / 1e9,
+            "useful_tflops": useful / kernel_ms / 1e9, "fraction_of_gemm_peak": useful / kernel_ms / 1e9 / peak,
+            "floor_ms_at_gemm_peak": useful / peak / 1e9, "gemm_peak_tflops": peak,
         })
     return rows
 

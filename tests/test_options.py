@@ -26,6 +26,8 @@ BAD_OPTIONS = [
     ("metadata_cache_bytes", -1),
     ("metadata_cache_bytes", 1 << 50),
     ("metadata_cache_bytes", 1e9),
+    ("linear_gelu_epilogue", 1),
+    ("linear_gelu_epilogue", "yes"),
     ("cuda_graphs", "no"),
     ("cuda_graphs", 0),
     ("token_budgets", 4096),

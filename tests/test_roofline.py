@@ -54,6 +54,17 @@ def test_roofline_rows_from_a_report():
     assert rows["W1"]["kernel_ms"] == 4.0 and not rows["W1"]["kernel_ms_is_end_to_end"]
     assert rows["W3"]["kernel_ms_is_end_to_end"] and rows["W3"]["rows"] == 128 * 128
     assert "| W1 | 1024 |" in roofline.markdown(list(rows.values()))
+    assert rows["W1"]["gemm_peak_tflops"] == roofline.GEMM_PEAK_TFLOPS  # a report without its own: the H200's
+
+
+def test_a_report_with_its_own_gemm_peak_is_measured_against_it():
+    report = {"results": {"W1": {"kimi_cg": {"mean_ms": 5.0, "replay_only_ms": 4.0}}}}
+    base = roofline.roofline(report)[0]
+    report["extras"] = {"gemm_peak_tflops": roofline.GEMM_PEAK_TFLOPS / 2}
+    half = roofline.roofline(report)[0]
+    assert half["gemm_peak_tflops"] == roofline.GEMM_PEAK_TFLOPS / 2
+    assert half["fraction_of_gemm_peak"] == pytest.approx(2 * base["fraction_of_gemm_peak"])
+    assert half["floor_ms_at_gemm_peak"] == pytest.approx(2 * base["floor_ms_at_gemm_peak"])
 
 
 def test_bench_runs_its_variants_and_small_image_stream_on_cpu(tmp_path):

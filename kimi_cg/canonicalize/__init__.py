@@ -10,6 +10,7 @@ Invariants every pass keeps (see docs/design.md):
 from kimi_cg.canonicalize.base import GraphPass
 from kimi_cg.canonicalize.fuse_gather_layernorm import FuseGatherLayerNormPass
 from kimi_cg.canonicalize.gather_reduce import GatherReducePass
+from kimi_cg.canonicalize.linear_gelu import LinearGeluPass
 from kimi_cg.canonicalize.merge_gather import MergeGatherPass
 from kimi_cg.canonicalize.patch_conv import PatchConvPass
 from kimi_cg.canonicalize.real_rope import RealRopePass
@@ -17,5 +18,5 @@ from kimi_cg.canonicalize.scatter_merge import ScatterMergePass
 from kimi_cg.canonicalize.segment_attention import SegmentAttentionPass
 from kimi_cg.canonicalize.separable_resize import SeparableResizePass
 
-__all__ = ["FuseGatherLayerNormPass", "GatherReducePass", "GraphPass", "MergeGatherPass", "PatchConvPass",
-           "RealRopePass", "ScatterMergePass", "SegmentAttentionPass", "SeparableResizePass"]
+__all__ = ["FuseGatherLayerNormPass", "GatherReducePass", "GraphPass", "LinearGeluPass", "MergeGatherPass",
+           "PatchConvPass", "RealRopePass", "ScatterMergePass", "SegmentAttentionPass", "SeparableResizePass"]

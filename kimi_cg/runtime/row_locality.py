@@ -4,9 +4,9 @@ NOTE [row locality]
 The bucketed path (graphs.py) runs a call of L packed rows in a bucket of C >= L rows: the row inputs
 get C - L zero rows, and outputs are sliced back to L rows. That is only the call's result when no
 real output element reads a padding row. Ops that keep rows apart do (pointwise math, per-row
-linear layers and norms, views that keep or merge whole rows, gathers by row index); kimi_cg's own
-ops do too by construction (varlen attention with the padding in its own segment, merge gathers
-whose padding plan rows read nothing). Ops that combine rows do not: a mean, softmax, scan, sort or
+linear layers, with a GELU fused or not (NOTE [linear + GELU epilogue]), and norms, views that keep or
+merge whole rows, gathers by row index); kimi_cg's own ops do too by construction (varlen attention
+with the padding in its own segment, merge gathers whose padding plan rows read nothing). Ops that combine rows do not: a mean, softmax, scan, sort or
 attention over the row axis, a matmul contracting it, a slice of it, a cat along it.
 
 ``padding_hazard(gm, rules, inputs)`` walks the program and returns None when every op that touches
@@ -239,7 +239,7 @@ def _check(node, inputs, shapes: _Shapes, segment_inputs, group_indices=frozense
         return _check_getitem(node, inputs, axis_in, rank_in)
     if tuple_out and name not in ("split", "chunk", "unbind", "split_with_sizes", "tensor_split"):
         return "an op not known to keep rows apart"
-    if name == "linear" or node.target in (F.linear, torch._C._nn.linear):
+    if name in ("linear", "kimi_cg.linear_gelu_tanh") or node.target in (F.linear, torch._C._nn.linear):
         ok = node.args[0] in inputs and axis_in < rank_in - 1 and not any(a in inputs for a in node.args[1:])
         return None if ok else "a linear layer over the row axis"
     if name in ("layer_norm", "rms_norm"):
