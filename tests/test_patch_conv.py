@@ -140,3 +140,25 @@ def test_the_reference_tower_compiles_its_patch_embedding_as_a_matmul(tmp_path):
     assert kimi_cg.counters["patch_convolutions_as_matmuls"] == kimi_cg.counters["dynamo_graphs"] > 0
     stages = sorted(p.name for p in tmp_path.rglob("*patch_conv*"))
     assert stages, "the debug dump shows no patch_conv stage"
+
+
+@pytest.mark.parametrize("dtype, rewritten", [(torch.float32, 0), (torch.bfloat16, 1), (torch.float16, 1)])
+def test_a_float32_convolution_on_cuda_keeps_cudnn(dtype, rewritten):
+    """cuDNN runs float32 convolutions in TF32 by default while float32 matmuls are not, so on CUDA a
+    float32 convolution stays one (eager's numbers); half-precision ones become matmuls. The graph's
+    example values are fake CUDA tensors: this runs without a GPU."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    def embed(x, weight, bias):
+        return torch.conv2d(x, weight, bias, 14)
+
+    gm = torch.fx.symbolic_trace(embed)
+    mode, cuda = FakeTensorMode(), torch.device("cuda")
+    shapes = {"x": (8, 3, 14, 14), "weight": (16, 3, 14, 14), "bias": (16,)}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            node.meta["example_value"] = FakeTensor(mode, torch.empty(shapes[node.name], dtype=dtype, device="meta"), cuda)
+    pass_ = PatchConvPass()
+    pass_(gm)
+    assert pass_.report["rewritten"] == rewritten
+    assert _convolutions(gm) == 1 - rewritten

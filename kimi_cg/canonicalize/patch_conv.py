@@ -18,7 +18,10 @@ outputs differed by at most one bf16 rounding step).
 
 Rewritten only when everything the equivalence needs is known while tracing: a batched input whose
 channel and spatial sizes are literals equal to the weight's, zero padding (or ``"valid"``), dilation
-1, one group, floating dtypes. Anything else (a whole image under a strided convolution, padding,
+1, one group, floating dtypes, but not float32 on CUDA: there cuDNN runs convolutions in TF32 by
+default (``torch.backends.cudnn.allow_tf32``) while matmuls stay float32, so the rewrite would move the
+result away from eager's by TF32's rounding (7e-4 absolute on a tiny fp32 MoonViT on an H100,
+2026-12-06, against the 1e-5 its test allows). Anything else (a whole image under a strided convolution, padding,
 groups, symbolic sizes) keeps its convolution.
 """
 
@@ -62,6 +65,8 @@ def _patch_convolution(node: torch.fx.Node) -> dict | None:
             len({v.dtype for v in tensors}) != 1):
         return None
     x_value, w_value = tensors[:2]
+    if x_value.dtype == torch.float32 and x_value.device.type == "cuda":
+        return None  # cuDNN may run it in TF32 (its default) where a matmul would not: eager's numbers stay
     if x_value.dim() != spatial + 2 or w_value.dim() != spatial + 2:
         return None  # an unbatched input, or a malformed call: eager's own error stays
     patch, kernel = tuple(x_value.shape[1:]), tuple(w_value.shape[1:])
