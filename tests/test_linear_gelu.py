@@ -90,6 +90,24 @@ def test_other_pairs_keep_their_linear_and_gelu(case):
     assert torch.equal(got, want)
 
 
+def test_a_pair_under_autocast_keeps_its_linear_and_gelu():
+    """Autocast runs the linear in bf16 on fp32 inputs; the custom op would run in fp32 and change the
+    output's dtype, so the pair is left as written."""
+    torch.manual_seed(4)
+    mlp = _Mlp()
+
+    def under_autocast(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return mlp(x)
+
+    x = torch.randn(5, 8)
+    run, graphs = _compiled_with_the_pass(under_autocast)
+    with torch.no_grad():
+        got, want = run(x), under_autocast(x)
+    assert graphs == [(0, 1)], graphs
+    assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
 def test_the_op_off_cuda_is_the_composition_and_its_fake_is_contiguous():
     torch.manual_seed(2)
     x = torch.randn(3, 4, 16).transpose(0, 1)  # not contiguous

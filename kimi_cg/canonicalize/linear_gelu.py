@@ -26,8 +26,9 @@ steps (3e-6) from torch's at GELU(-3.5) = -0.0008 (about one step in bf16); agai
 that is below one rounding step (tests/test_linear_gelu.py).
 
 Rewritten only for exactly that pattern: the linear's sole use is the GELU, approximate="tanh" (the
-exact GELU has no cuBLASLt epilogue), a bias, a 2-D weight, one floating dtype and one device; the
-``linear_gelu_epilogue`` option turns the pass off.
+exact GELU has no cuBLASLt epilogue), a bias, a 2-D weight, one floating dtype and one device, and the
+linear and the GELU computing in that dtype (not under autocast, which would run the linear in a lower
+precision the custom op does not take); the ``linear_gelu_epilogue`` option turns the pass off.
 """
 
 from __future__ import annotations
@@ -76,8 +77,11 @@ def _fusable(gelu: torch.fx.Node) -> tuple | None:
         return None
     if not all(isinstance(s, int) for s in (*w_value.shape, *b_value.shape)) or b_value.shape[0] != w_value.shape[0]:
         return None
-    if x_value.shape[-1] != w_value.shape[1]:
-        return None  # a malformed call: eager's own error stays
+    if not isinstance(x_value.shape[-1], int) or x_value.shape[-1] != w_value.shape[1]:
+        return None  # a symbolic width, or a malformed call: eager's own error stays
+    outputs = [example_value(n) for n in (linear, gelu)]
+    if not all(isinstance(v, torch.Tensor) and v.dtype == x_value.dtype for v in outputs):
+        return None  # under autocast the linear runs in another dtype; the op would not
     return x, weight, bias, linear
 
 
