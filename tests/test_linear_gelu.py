@@ -14,6 +14,7 @@ from kimi_cg.canonicalize import LinearGeluPass
 from kimi_cg.dynamo_settings import DYNAMO_SETTINGS
 from kimi_cg.models import MoonVitConfig, MoonVitPretrainedModel
 from test_passes import count
+from test_patch_conv import _relative, reference_tower_matches_eager
 
 FUSED = torch.ops.kimi_cg.linear_gelu_tanh.default
 
@@ -120,10 +121,6 @@ def test_the_op_off_cuda_is_the_composition_and_its_fake_is_contiguous():
     assert fake.shape == got.shape and fake.stride() == got.stride() and fake.dtype == got.dtype
 
 
-def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want.double()).norm() / want.double().norm()).item()
-
-
 @pytest.mark.parametrize("enabled", [True, False])
 def test_the_reference_tower_fuses_each_mlp_under_kimi_cg(tmp_path, enabled):
     torch.manual_seed(0)
@@ -131,15 +128,7 @@ def test_the_reference_tower_fuses_each_mlp_under_kimi_cg(tmp_path, enabled):
     compiled = torch.compile(model, backend="kimi_cg",
                              options={"debug_dir": str(tmp_path), "linear_gelu_epilogue": enabled,
                                       "cuda_graphs": True})  # the bucketed path: rows padded
-    for grid in ([[4, 6]], [[6, 4], [2, 8]], [[4, 4], [8, 2], [2, 2]]):
-        grid = torch.tensor(grid)
-        pixels = torch.randn(int(grid.prod(-1).sum()), 3, 14, 14)
-        with torch.no_grad():
-            want, got = model(pixels, grid), compiled(pixels, grid)
-        for g, w in zip(got, want):
-            assert g.shape == w.shape and not torch.isnan(g).any()
-            assert _relative(g, w) <= 1e-5
-    assert kimi_cg.counters["lift_fallbacks"] == kimi_cg.counters["call_fallbacks"] == 0, dict(kimi_cg.counters)
+    reference_tower_matches_eager(model, compiled)
     assert kimi_cg.counters["eager_fallbacks"] == 0, dict(kimi_cg.counters)
     graphs = kimi_cg.counters["dynamo_graphs"]
     fused = kimi_cg.counters["linear_gelu_epilogues"]
