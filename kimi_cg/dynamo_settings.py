@@ -331,7 +331,10 @@ def inside_a_frame_traced_again() -> bool:
         return False
     frame, on_stack = sys._getframe(1), set()
     while frame is not None:
-        entry = _eager_runs.get(frame.f_code)
+        try:
+            entry = _eager_runs.get(frame.f_code)
+        except TypeError:  # code dynamo generated can hold unhashable constants: never a recorded code
+            entry = None
         if entry is not None and entry[0] is frame.f_back:
             return True
         on_stack.add(id(frame))

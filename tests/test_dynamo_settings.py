@@ -407,3 +407,26 @@ def test_only_a_tower_entry_gets_dynamic_rows():
     locals_ = {"hidden": torch.randn(16, 8), "window_index": torch.arange(4)}
     assert dynamo_settings._mark_leading_dims_dynamic(window_permutation.__code__, locals_) == []
     assert all(_marks(t) == {} for t in (*locals_.values(), grid))
+
+
+def test_a_frame_whose_code_cannot_be_hashed_is_passed_over_on_the_stack(monkeypatch):
+    """Code that dynamo generates can hold unhashable constants (a program-fuzz case, seed 61, had a
+    dict among its forward's): walking the stack past such a frame must not raise (it was a crash where
+    eager runs), and such code was never recorded, so it is simply not an eager run."""
+    import sys
+    import weakref
+
+    def unrelated():
+        return None
+
+    records = weakref.WeakKeyDictionary()
+    records[unrelated.__code__] = (sys._getframe(), threading.get_ident())  # a live record of this thread
+    monkeypatch.setattr(dynamo_settings, "_eager_runs", records)
+
+    def caller():
+        return dynamo_settings.inside_a_frame_traced_again()
+
+    caller.__code__ = caller.__code__.replace(co_consts=caller.__code__.co_consts + ({},))
+    with pytest.raises(TypeError):
+        hash(caller.__code__)
+    assert caller() is False
