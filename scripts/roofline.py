@@ -40,7 +40,7 @@ import bench  # noqa: E402  (the workloads' grids)
 from kimi_cg.config import KimiCGConfig  # noqa: E402
 from kimi_cg.models import MoonVitConfig  # noqa: E402
 
-GEMM_PEAK_TFLOPS = 805.0  # the H200's, for reports that do not carry their own
+GEMM_PEAK_TFLOPS = 805.0  # the H200's, for reports without their own measurement
 
 
 def tower_flops(config: MoonVitConfig, grid: list[list[int]]) -> dict:
