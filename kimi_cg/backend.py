@@ -16,8 +16,9 @@ import weakref
 import torch
 
 from kimi_cg import capture, dynamo_settings
-from kimi_cg.canonicalize import (FuseGatherLayerNormPass, GatherReducePass, LinearGeluPass, MergeGatherPass, PatchConvPass,
-                                  RealRopePass, ScatterMergePass, SegmentAttentionPass, SeparableResizePass)
+from kimi_cg.canonicalize import (FuseGatherLayerNormPass, GatherReducePass, LinearGeluPass, MergeGatherPass,
+                                  PatchConvPass, RealRopePass, ScatterMergePass, SegmentAttentionPass,
+                                  SeparableResizePass)
 from kimi_cg.config import KimiCGConfig
 from kimi_cg.counters import counters, timings
 from kimi_cg.device_program import get_device_program

@@ -163,7 +163,8 @@ def test_a_float32_convolution_on_cuda_keeps_cudnn(dtype, rewritten):
     shapes = {"x": (8, 3, 14, 14), "weight": (16, 3, 14, 14), "bias": (16,)}
     for node in gm.graph.nodes:
         if node.op == "placeholder":
-            node.meta["example_value"] = FakeTensor(mode, torch.empty(shapes[node.name], dtype=dtype, device="meta"), cuda)
+            meta = torch.empty(shapes[node.name], dtype=dtype, device="meta")
+            node.meta["example_value"] = FakeTensor(mode, meta, cuda)
     pass_ = PatchConvPass()
     pass_(gm)
     assert pass_.report["rewritten"] == rewritten

@@ -6,8 +6,9 @@ get C - L zero rows, and outputs are sliced back to L rows. That is only the cal
 real output element reads a padding row. Ops that keep rows apart do (pointwise math, per-row
 linear layers, with a GELU fused or not (NOTE [linear + GELU epilogue]), and norms, views that keep or
 merge whole rows, gathers by row index); kimi_cg's own ops do too by construction (varlen attention
-with the padding in its own segment, merge gathers whose padding plan rows read nothing). Ops that combine rows do not: a mean, softmax, scan, sort or
-attention over the row axis, a matmul contracting it, a slice of it, a cat along it.
+with the padding in its own segment, merge gathers whose padding plan rows read nothing). Ops that
+combine rows do not: a mean, softmax, scan, sort or attention over the row axis, a matmul contracting
+it, a slice of it, a cat along it.
 
 ``padding_hazard(gm, rules, inputs)`` walks the program and returns None when every op that touches
 row data is on a list of row-local ops with the row axis where the op keeps it, else the first op
