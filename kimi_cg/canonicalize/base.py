@@ -1,4 +1,5 @@
-"""The pass wrapper: timing, logging and, when dumping, the graph after every pass that changed it."""
+"""The pass wrapper: timing, logging and, when dumping, the graph after every pass that changed it;
+helpers the passes share (a call's arguments by name, replacing a node)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,24 @@ class GraphPass:
         if before is not None and gm.code != before:  # a pass that changed nothing writes nothing
             self.dump.stage(self.name, lambda: readable_with_shapes(gm))
         return gm
+
+
+def call_arguments(node: torch.fx.Node, names: tuple[str, ...], defaults: dict) -> dict | None:
+    """A call's arguments by name (positional ones matched to ``names``, defaults filled in); None when it
+    passes more positional arguments than ``names`` or a keyword not among them."""
+    values = dict(defaults)
+    values.update(zip(names, node.args))
+    values.update(node.kwargs)
+    return values if len(node.args) <= len(names) and set(values) <= set(names) else None
+
+
+def replace_node(graph: torch.fx.Graph, old: torch.fx.Node, new: torch.fx.Node, *dead: torch.fx.Node) -> None:
+    """``new`` takes ``old``'s place (its meta, so its example value and source, and its uses); ``old`` is
+    erased, then ``dead``: nodes that only ``old`` used, in an order where each has no users left."""
+    new.meta = dict(old.meta)
+    old.replace_all_uses_with(new)
+    for node in (old, *dead):
+        graph.erase_node(node)
 
 
 def readable_with_shapes(gm: torch.fx.GraphModule) -> str:

@@ -24,7 +24,7 @@ import torch.fx
 import torch.nn.functional as F
 
 import kimi_cg.ops  # noqa: F401  (registers torch.ops.kimi_cg.*)
-from kimi_cg.canonicalize.base import GraphPass
+from kimi_cg.canonicalize.base import GraphPass, replace_node
 
 _LAYER_NORMS = {F.layer_norm, torch.layer_norm, torch.ops.aten.layer_norm.default}
 
@@ -68,10 +68,6 @@ class FuseGatherLayerNormPass(GraphPass):
                     torch.ops.kimi_cg.merge_gather_layernorm.default, (*gather.args, ln_weight, ln_bias, eps)
                 )
                 new_view = graph.call_method("view", (fused_node, *view.args[1:]))
-            new_view.meta = dict(norm.meta)
-            norm.replace_all_uses_with(new_view)
-            graph.erase_node(norm)
-            graph.erase_node(view)
-            graph.erase_node(gather)
+            replace_node(graph, norm, new_view, view, gather)
             fused += 1
         return {"fused": fused}

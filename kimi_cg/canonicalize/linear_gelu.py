@@ -39,31 +39,24 @@ import torch.nn.functional as F
 
 import kimi_cg.ops  # noqa: F401  (registers torch.ops.kimi_cg.*)
 from kimi_cg.capture import example_value
-from kimi_cg.canonicalize.base import GraphPass
+from kimi_cg.canonicalize.base import GraphPass, call_arguments, replace_node
 from kimi_cg.counters import counters
 
 _LINEARS = {torch._C._nn.linear, F.linear}
 _GELUS = {torch._C._nn.gelu, F.gelu}
 
 
-def _arguments(node: torch.fx.Node, names: tuple[str, ...], defaults: dict) -> dict | None:
-    values = dict(defaults)
-    values.update(zip(names, node.args))
-    values.update(node.kwargs)
-    return values if len(node.args) <= len(names) and set(values) <= set(names) else None
-
-
 def _fusable(gelu: torch.fx.Node) -> tuple | None:
     """(x, weight, bias, linear node) when ``gelu`` is a tanh GELU of a biased linear used only there."""
     if gelu.op != "call_function" or gelu.target not in _GELUS:
         return None
-    values = _arguments(gelu, ("input", "approximate"), {"approximate": "none"})
+    values = call_arguments(gelu, ("input", "approximate"), {"approximate": "none"})
     if values is None or values["approximate"] != "tanh" or not isinstance(values.get("input"), torch.fx.Node):
         return None
     linear = values["input"]
     if linear.op != "call_function" or linear.target not in _LINEARS or len(linear.users) != 1:
         return None
-    values = _arguments(linear, ("input", "weight", "bias"), {"bias": None})
+    values = call_arguments(linear, ("input", "weight", "bias"), {"bias": None})
     if values is None or not all(isinstance(values.get(name), torch.fx.Node) for name in ("input", "weight", "bias")):
         return None
     x, weight, bias = (values[name] for name in ("input", "weight", "bias"))
@@ -98,10 +91,7 @@ class LinearGeluPass(GraphPass):
             x, weight, bias, linear = match
             with graph.inserting_before(node):
                 out = graph.call_function(torch.ops.kimi_cg.linear_gelu_tanh.default, (x, weight, bias))
-            out.meta = dict(node.meta)
-            node.replace_all_uses_with(out)
-            graph.erase_node(node)
-            graph.erase_node(linear)
+            replace_node(graph, node, out, linear)
             fused += 1
         counters["linear_gelu_epilogues"] += fused
         return {"fused": fused}

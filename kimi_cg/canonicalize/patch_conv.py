@@ -31,7 +31,7 @@ import torch
 import torch.fx
 
 from kimi_cg.capture import example_value
-from kimi_cg.canonicalize.base import GraphPass
+from kimi_cg.canonicalize.base import GraphPass, call_arguments, replace_node
 from kimi_cg.counters import counters
 
 _CONVOLUTIONS = {torch.conv1d: 1, torch.conv2d: 2, torch.conv3d: 3}
@@ -52,10 +52,8 @@ def _patch_convolution(node: torch.fx.Node) -> dict | None:
     spatial = _CONVOLUTIONS.get(node.target) if node.op == "call_function" else None
     if spatial is None:
         return None
-    values = dict(_DEFAULTS)
-    values.update(zip(_NAMES, node.args))
-    values.update(node.kwargs)
-    if not set(values) <= set(_NAMES) or "input" not in values or "weight" not in values:
+    values = call_arguments(node, _NAMES, _DEFAULTS)
+    if values is None or "input" not in values or "weight" not in values:
         return None
     x, weight, bias = values["input"], values["weight"], values["bias"]
     if not all(isinstance(n, torch.fx.Node) for n in (x, weight) + (() if bias is None else (bias,))):
@@ -100,9 +98,7 @@ class PatchConvPass(GraphPass):
                 out = graph.call_function(torch.nn.functional.linear, (patches, filters, values["bias"]))
                 for _ in range(_CONVOLUTIONS[node.target]):
                     out = graph.call_method("unsqueeze", (out, -1))
-            out.meta = dict(node.meta)
-            node.replace_all_uses_with(out)
-            graph.erase_node(node)
+            replace_node(graph, node, out)
             rewritten += 1
         counters["patch_convolutions_as_matmuls"] += rewritten
         return {"rewritten": rewritten}
