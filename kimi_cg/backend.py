@@ -18,7 +18,7 @@ import torch
 from kimi_cg import capture, dynamo_settings
 from kimi_cg.canonicalize import (FuseGatherLayerNormPass, GatherReducePass, LinearGeluPass, MergeGatherPass,
                                   PatchConvPass, RealRopePass, ScatterMergePass, SegmentAttentionPass,
-                                  SeparableResizePass)
+                                  SeparableResizePass, TableGatherPass)
 from kimi_cg.config import KimiCGConfig
 from kimi_cg.counters import counters, timings
 from kimi_cg.device_program import get_device_program
@@ -88,6 +88,8 @@ def _lift(work: torch.fx.GraphModule, pristine: torch.fx.GraphModule, inputs, ac
     MergeGatherPass(dump)(work)
     FuseGatherLayerNormPass(dump)(work)
     RealRopePass(dump)(work)
+    if config.table_gathers:
+        TableGatherPass(dump)(work)
     PatchConvPass(dump)(work)
     if config.linear_gelu_epilogue:
         LinearGeluPass(dump)(work)

@@ -107,6 +107,12 @@ class KimiCGConfig:
     with bias and GELU in its epilogue, in bf16 / fp16 (NOTE [linear + GELU epilogue] in
     canonicalize/linear_gelu.py). False keeps the linear and the GELU as written."""
 
+    table_gathers: bool = True
+    """Per-item reads of a module-state table (MoonViT's position grid resized per image, its RoPE table
+    sliced per image) run on the device as one gather of the table with a plan the host makes from
+    the grid's integers (NOTE [table gathers] in runtime/table_rows.py): a new image size costs host
+    integer work only, and no call checks those tables' content. False computes them on the host."""
+
     poison_graph_pool: bool = False
     """Testing aid: fill the CUDA-graph memory pool with NaN before capturing, so that any read of
     memory the graphs did not write shows up as NaN in the outputs (NOTE [padding rules])."""
@@ -154,7 +160,7 @@ class KimiCGConfig:
         _check_int("exact_size_graphs", self.exact_size_graphs, 0, MAX_EXACT_SIZE_GRAPHS)
         _check_int("attention_length_classes", self.attention_length_classes, 1, MAX_LENGTH_CLASSES)
         object.__setattr__(self, "inductor_config", _inductor_settings(self.inductor_config))
-        for name in ("linear_gelu_epilogue", "poison_graph_pool", "strict"):
+        for name in ("linear_gelu_epilogue", "table_gathers", "poison_graph_pool", "strict"):
             if not isinstance(getattr(self, name), bool):
                 _reject(name, getattr(self, name), "True or False")
 

@@ -27,6 +27,8 @@ Keys (missing keys read as 0):
                               convolution as a matmul] in canonicalize/patch_conv.py), per dynamo graph
   linear_gelu_epilogues       linear layers whose tanh GELU became one op (NOTE [linear + GELU epilogue] in
                               canonicalize/linear_gelu.py), per dynamo graph
+  table_gathers               per-item reads of a module-state table made one device gather (NOTE [table
+                              gathers] in runtime/table_rows.py), per dynamo graph
   metadata_cache_hits/misses  per-item host metadata lookups
   batch_cache_hits            calls whose whole host pass was reused (same grid, same weights)
   state_content_checks        state tensors compared with their snapshot (NOTE [state tokens])

@@ -39,6 +39,7 @@ from kimi_cg.errors import InvalidInputError, UnsupportedGraphError
 from kimi_cg.lift import Program, source_location
 from kimi_cg.runtime.memory import metadata_store
 from kimi_cg.runtime.state_tokens import state_tokens
+from kimi_cg.runtime.table_rows import table_source
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +157,7 @@ def install_item_cache(gm: torch.fx.GraphModule, grid_placeholders: set[torch.fx
                 ok = False
         if not ok or not input_rows:
             continue
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) or node.meta.get("kimi_cg_table_rows"):  # NOTE [table gathers]
             item_tensor[node] = frozenset(input_rows)
         elif isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool):
             rows[node] = frozenset(input_rows)
@@ -475,7 +476,10 @@ class HostProgram:
         grid_nodes = {placeholders[i] for i, ref in enumerate(program.inputs) if ref.program == "arg" and ref.index in grid_inputs}
         const_nodes = {placeholders[i] for i, ref in enumerate(program.inputs) if ref.program == "arg" and ref.index in const_inputs}
         for node in self.gm.graph.nodes:  # CONST nodes (weight views) computed inside the host program
-            if node.op != "placeholder" and node.all_input_nodes and all(a in const_nodes for a in node.all_input_nodes):
+            if node.op == "call_function" and node.target is table_source:  # a table's shape only: a constant
+                const_nodes.add(node)
+            elif (node.op != "placeholder" and node.all_input_nodes
+                  and all(a in const_nodes for a in node.all_input_nodes)):
                 if not any(isinstance(a, torch.fx.Node) and a in grid_nodes for a in node.all_input_nodes):
                     const_nodes.add(node)
         self.direct_calls = call_host_functions(self.gm)

@@ -210,6 +210,8 @@ def _categories(graph, inputs, activation, post, forced) -> dict[torch.fx.Node, 
             continue
         if node.op == "get_attr":
             category = Category.CONST
+        elif node.meta.get("kimi_cg_device"):
+            category = Category.DEVICE  # NOTE [table gathers]: reads module state where it lives
         elif node in post:
             category = Category.POST
         elif node in activation:

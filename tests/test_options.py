@@ -28,6 +28,7 @@ BAD_OPTIONS = [
     ("metadata_cache_bytes", 1e9),
     ("linear_gelu_epilogue", 1),
     ("linear_gelu_epilogue", "yes"),
+    ("table_gathers", 1),
     ("cuda_graphs", "no"),
     ("cuda_graphs", 0),
     ("token_budgets", 4096),

@@ -120,7 +120,8 @@ def test_host_programs_call_the_resize_function_not_the_op():
     kimi_cg.reset()
     torch.manual_seed(0)
     model = MoonVitPretrainedModel(MoonVitConfig.tiny()).eval()
-    compiled = torch.compile(model, backend="kimi_cg")
+    # The host resizes where the device does not read the table itself (NOTE [table gathers] off).
+    compiled = torch.compile(model, backend="kimi_cg", options={"table_gathers": False})
     grid = torch.tensor([[4, 6], [2, 8]])
     pixels = torch.randn(int(grid.prod(-1).sum()), 3, 14, 14, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

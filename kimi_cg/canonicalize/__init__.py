@@ -17,6 +17,8 @@ from kimi_cg.canonicalize.real_rope import RealRopePass
 from kimi_cg.canonicalize.scatter_merge import ScatterMergePass
 from kimi_cg.canonicalize.segment_attention import SegmentAttentionPass
 from kimi_cg.canonicalize.separable_resize import SeparableResizePass
+from kimi_cg.canonicalize.table_gather import TableGatherPass
 
 __all__ = ["FuseGatherLayerNormPass", "GatherReducePass", "GraphPass", "LinearGeluPass", "MergeGatherPass",
-           "PatchConvPass", "RealRopePass", "ScatterMergePass", "SegmentAttentionPass", "SeparableResizePass"]
+           "PatchConvPass", "RealRopePass", "ScatterMergePass", "SegmentAttentionPass", "SeparableResizePass",
+           "TableGatherPass"]

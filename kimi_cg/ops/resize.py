@@ -29,8 +29,9 @@ from kimi_cg.ops.merge_gather import use_triton
 _CUBIC_A = -0.75
 
 
-def _resize_matrix_float64(in_size: int, out_size: int) -> torch.Tensor:
-    """[out_size, in_size] float64: row o holds the bicubic weights of output position o."""
+def resize_taps_float64(in_size: int, out_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each output position's four input taps [out_size, 4] (int64, clamped to the border, so a clamped
+    tap may repeat) and their bicubic weights [out_size, 4] (float64)."""
     if in_size <= 0 or out_size <= 0:
         raise ValueError(f"bicubic resize needs positive sizes, got {in_size} -> {out_size}")
     # Source positions in float32, as ATen computes them (its scale is a float: with float64
@@ -50,6 +51,12 @@ def _resize_matrix_float64(in_size: int, out_size: int) -> torch.Tensor:
         ((a * (2 - t) - 5 * a) * (2 - t) + 8 * a) * (2 - t) - 4 * a,
     ], dim=1)
     taps = (base.long().unsqueeze(1) + torch.arange(-1, 3).unsqueeze(0)).clamp(0, in_size - 1)
+    return taps, weights
+
+
+def _resize_matrix_float64(in_size: int, out_size: int) -> torch.Tensor:
+    """[out_size, in_size] float64: row o holds the bicubic weights of output position o."""
+    taps, weights = resize_taps_float64(in_size, out_size)
     matrix = torch.zeros(out_size, in_size, dtype=torch.float64)
     matrix.scatter_add_(1, taps, weights)
     return matrix

@@ -99,6 +99,7 @@ logger = logging.getLogger(__name__)
 
 _MERGE_GATHER = torch.ops.kimi_cg.merge_gather
 _MERGE_GATHER_LAYERNORM = torch.ops.kimi_cg.merge_gather_layernorm
+_TABLE_GATHER = torch.ops.kimi_cg.table_gather
 _VARLEN_ATTENTION = torch.ops.kimi_cg.varlen_attention
 # NOTE [segment tables]: a dense table holds a segment per this many rows of its bucket (window
 # attention's edge windows are smaller; a call of such windows picks a larger bucket); padding rows
@@ -184,7 +185,9 @@ def input_rules(program: DeviceProgram, kinds: list[str]) -> list[InputRule]:
                 rules.append(InputRule("unpadded"))
         else:
             uses = {(_packet(user.target), user.args.index(node)) for user in node.users if node in user.args}
-            if (_MERGE_GATHER, 1) in uses or (_MERGE_GATHER_LAYERNORM, 1) in uses:
+            if (_TABLE_GATHER, 1) in uses or (_TABLE_GATHER, 2) in uses:
+                rules.append(InputRule("rows"))  # NOTE [table gathers]: a plan row per patch row, zeros pad
+            elif (_MERGE_GATHER, 1) in uses or (_MERGE_GATHER_LAYERNORM, 1) in uses:
                 rules.append(InputRule("plan_index"))
             elif (_MERGE_GATHER, 2) in uses or (_MERGE_GATHER_LAYERNORM, 2) in uses:
                 rules.append(InputRule("plan_weight"))

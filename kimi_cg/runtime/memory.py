@@ -48,6 +48,8 @@ def _storages(value) -> dict:
             found[(str(item.device), storage.data_ptr())] = storage.nbytes()
         elif isinstance(item, (tuple, list)):
             stack.extend(item)
+        elif dataclasses.is_dataclass(item) and not isinstance(item, type):  # a host stand-in (TableRows)
+            stack.extend(getattr(item, field.name) for field in dataclasses.fields(item))
     return found
 
 

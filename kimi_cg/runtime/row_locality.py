@@ -210,6 +210,10 @@ def _check(node, inputs, shapes: _Shapes, segment_inputs, group_indices=frozense
         # Output rows are plan rows: padding plan rows read nothing (index -1); real ones read real rows.
         ok = axes_in.get(node.args[0]) == [0] and all(arg not in inputs for arg in node.args[1:])
         return None if ok else "a gather plan made from rows"
+    if name in ("kimi_cg.table_gather", "table_gather"):
+        # NOTE [table gathers]: output row r reads plan row r (zeros in padding rows) and a table without rows.
+        ok = node.args[0] not in inputs and all(axes_in.get(arg) == [0] for arg in node.args[1:])
+        return None if ok else "a table gather whose table has rows"
     tuple_out = not shapes.is_tensor(node)
     if not tuple_out:
         axes_out = shapes.row_axes(node)

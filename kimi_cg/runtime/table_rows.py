@@ -1,0 +1,293 @@
+"""The host-side algebra of per-item reads of a module-state table, run by the host program at call time.
+
+NOTE [table gathers]
+Towers read learned tables per item: MoonViT resizes its 64x64 position grid to each image's
+(h, w) (a bicubic interpolation) and slices its RoPE table to [:h, :w]. Computed on the host, each
+new size costs device work on the request's critical path, every call must check that the tables
+did not change (NOTE [state tokens]: a content comparison, one host sync), and the results are
+copied into the bucket's buffers (thousands of floats per row). TableGatherPass
+(canonicalize/table_gather.py) replays such a chain on a stand-in instead: ``TableRows`` records,
+for every row of the real result, which rows of the table it combines and with which weights
+(a slice or view keeps one term, a bicubic resize makes 16: 4 taps by 4). The host then produces
+integers and weights only, cached per item by size; the device program reads the table itself,
+at its current content, in one ``kimi_cg.table_gather`` (the merge gather's kernel): a state
+table no host program reads needs no check and no snapshot.
+
+The stand-in keeps the real tensor's dims, the feature dim held as size 1 (its position is
+``axis``), plus a trailing K dim of terms, so movement ops (permute, unsqueeze, squeeze, flatten,
+getitem, view/reshape, cat, repeat) apply to it almost unchanged. Anything that mixes features or
+is not a movement op is not a table read: the pass leaves such chains alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import torch
+
+from kimi_cg.ops.resize import resize_taps_float64
+
+
+@dataclasses.dataclass(eq=False)
+class TableRows:
+    """Host stand-in for a tensor read from a table: element [..., f, ...] (f at ``axis``) equals
+    sum_k weight[..., k] * table_rows[index[..., k], f]; index -1 contributes nothing."""
+
+    index: torch.Tensor  # the real shape with the feature dim as 1, then K
+    weight: torch.Tensor  # float64, the same shape
+    axis: int
+    dim: int
+
+    @property
+    def ndim(self) -> int:
+        return self.index.dim() - 1
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        shape = list(self.index.shape[:-1])
+        shape[self.axis] = self.dim
+        return tuple(shape)
+
+    def map(self, fn, axis: int) -> "TableRows":
+        return TableRows(fn(self.index), fn(self.weight), axis, self.dim)
+
+
+class NotATableRead(Exception):
+    """A step the stand-in cannot express: raised while the pass replays a chain at compile time."""
+
+
+def normalize_dim(dim: int, ndim: int) -> int:
+    if not -ndim <= dim < ndim:
+        raise IndexError(f"dimension {dim} out of range for {ndim} dims")
+    return dim + ndim if dim < 0 else dim
+
+
+def _dims_argument(dims) -> tuple:
+    return tuple(dims[0]) if len(dims) == 1 and isinstance(dims[0], (tuple, list, torch.Size)) else tuple(dims)
+
+
+@functools.lru_cache(maxsize=64)
+def table_source(leading: tuple[int, ...], dim: int) -> TableRows:
+    """The stand-in of a [*leading, dim] table: row r is table row r. Cached and never written (every
+    op below makes new tensors or views), so host programs share one per table shape."""
+    count = math.prod(leading)
+    index = torch.arange(count, dtype=torch.int64).view(*leading, 1, 1)
+    return TableRows(index, torch.ones(index.shape, dtype=torch.float64), len(leading), dim)
+
+
+def permute_axis(ndim: int, axis: int, dims) -> int:
+    dims = tuple(normalize_dim(d, ndim) for d in _dims_argument(dims))
+    if sorted(dims) != list(range(ndim)):
+        raise NotATableRead(f"permute {dims} of {ndim} dims")
+    return dims.index(axis)
+
+
+def transpose_dims(ndim: int, dim0: int, dim1: int) -> list[int]:
+    dims = list(range(ndim))
+    a, b = normalize_dim(dim0, ndim), normalize_dim(dim1, ndim)
+    dims[a], dims[b] = dims[b], dims[a]
+    return dims
+
+
+def unsqueeze_axis(ndim: int, axis: int, dim: int) -> int:
+    return axis + (normalize_dim(dim, ndim + 1) <= axis)
+
+
+def squeeze_check(ndim: int, axis: int, dim: int) -> int:
+    if normalize_dim(dim, ndim) == axis:
+        raise NotATableRead("squeeze of the feature dim")
+    return normalize_dim(dim, ndim)
+
+
+def flatten_axis(ndim: int, axis: int, start_dim: int = 0, end_dim: int = -1) -> int:
+    start, end = normalize_dim(start_dim, ndim), normalize_dim(end_dim, ndim)
+    if start < end and start <= axis <= end:
+        raise NotATableRead("flatten across the feature dim")
+    return axis - (end - start) * (axis > end and start < end)
+
+
+def view_check(ndim: int, axis: int, feature: int, sizes) -> tuple:
+    """The leading sizes of a view that keeps the features last (a literal last size, not -1)."""
+    sizes = _dims_argument(sizes)
+    if axis != ndim - 1 or not sizes or sizes[-1] != feature or not isinstance(sizes[-1], int):
+        raise NotATableRead(f"view {tuple(sizes)} does not keep the feature dim {feature} last")
+    return tuple(sizes[:-1])
+
+
+def getitem_plan(ndim: int, axis: int, feature: int, item) -> tuple[tuple, int]:
+    """The stand-in's index items (the feature dim's entry a full slice) and the feature dim's
+    position after ``tensor[item]``; slices, ints and None only."""
+    items = list(item) if isinstance(item, tuple) else [item]
+    if any(not (i is None or i is Ellipsis or isinstance(i, (slice, int, torch.SymInt))) or isinstance(i, bool)
+           for i in items) or items.count(Ellipsis) > 1:
+        raise NotATableRead("tensor or boolean indexing of a table")
+    consuming = sum(1 for i in items if i is not None and i is not Ellipsis)
+    if consuming > ndim:
+        raise NotATableRead(f"too many indices for a tensor of {ndim} dims")
+    if Ellipsis in items:
+        at = items.index(Ellipsis)
+        items[at:at + 1] = [slice(None)] * (ndim - consuming)
+    items += [slice(None)] * (ndim - sum(1 for i in items if i is not None))
+    real_dim, out_dim, new_axis, index_items = 0, 0, None, []
+    for entry in items:
+        if entry is None:
+            index_items.append(None)
+            out_dim += 1
+            continue
+        if real_dim == axis:
+            full = isinstance(entry, slice) and entry.step in (None, 1) and entry.start in (None, 0) and (
+                entry.stop is None or isinstance(entry.stop, int) and not isinstance(entry.stop, bool)
+                and entry.stop >= feature)
+            if not full:
+                raise NotATableRead("indexing the feature dim of a table")
+            new_axis = out_dim
+            index_items.append(slice(None))
+        else:
+            index_items.append(entry)
+        if isinstance(entry, slice):
+            out_dim += 1
+        real_dim += 1
+    return tuple(index_items), new_axis
+
+
+def repeat_check(ndim: int, axis: int, sizes) -> tuple:
+    sizes = _dims_argument(sizes)
+    if len(sizes) != ndim or not isinstance(sizes[axis], int) or sizes[axis] != 1:
+        raise NotATableRead(f"repeat {tuple(sizes)} adds dims or repeats the feature dim")
+    return sizes
+
+
+def cat_check(ndim: int, axis: int, dim: int) -> None:
+    if normalize_dim(dim, ndim) == axis:
+        raise NotATableRead("cat along the feature dim")
+
+
+def bicubic_check(ndim: int, axis: int) -> None:
+    if ndim != 4 or axis != 1:
+        raise NotATableRead("bicubic resize of a read whose features are not on dim 1 of 4")
+
+
+def table_permute(rows: TableRows, *dims) -> TableRows:
+    axis = permute_axis(rows.ndim, rows.axis, dims)
+    dims = tuple(normalize_dim(d, rows.ndim) for d in _dims_argument(dims))
+    return rows.map(lambda t: t.permute(*dims, rows.ndim), axis)
+
+
+def table_transpose(rows: TableRows, dim0: int, dim1: int) -> TableRows:
+    return table_permute(rows, *transpose_dims(rows.ndim, dim0, dim1))
+
+
+def table_unsqueeze(rows: TableRows, dim: int) -> TableRows:
+    axis = unsqueeze_axis(rows.ndim, rows.axis, dim)
+    return rows.map(lambda t: t.unsqueeze(normalize_dim(dim, rows.ndim + 1)), axis)
+
+
+def table_squeeze(rows: TableRows, dim: int) -> TableRows:
+    dim = squeeze_check(rows.ndim, rows.axis, dim)
+    if rows.index.shape[dim] != 1:
+        return rows  # as torch: squeezing a dim that is not 1 keeps it
+    return rows.map(lambda t: t.squeeze(dim), rows.axis - (dim < rows.axis))
+
+
+def table_flatten(rows: TableRows, start_dim: int = 0, end_dim: int = -1) -> TableRows:
+    axis = flatten_axis(rows.ndim, rows.axis, start_dim, end_dim)
+    return rows.map(lambda t: t.flatten(normalize_dim(start_dim, rows.ndim), normalize_dim(end_dim, rows.ndim)), axis)
+
+
+def table_view(rows: TableRows, *sizes) -> TableRows:
+    leading = view_check(rows.ndim, rows.axis, rows.dim, sizes)
+    return rows.map(lambda t: t.view(*leading, 1, t.shape[-1]), len(leading))
+
+
+def table_reshape(rows: TableRows, *sizes) -> TableRows:
+    leading = view_check(rows.ndim, rows.axis, rows.dim, sizes)
+    return rows.map(lambda t: t.reshape(*leading, 1, t.shape[-1]), len(leading))
+
+
+def table_identity(rows: TableRows, *args, **kwargs) -> TableRows:
+    return rows.map(lambda t: t.contiguous(), rows.axis)
+
+
+def table_getitem(rows: TableRows, item) -> TableRows:
+    index_items, axis = getitem_plan(rows.ndim, rows.axis, rows.dim, item)
+    return rows.map(lambda t: t[index_items], axis)
+
+
+def _pad_terms(rows: TableRows, terms: int) -> TableRows:
+    missing = terms - rows.index.shape[-1]
+    if missing == 0:
+        return rows
+    pad = list(rows.index.shape[:-1]) + [missing]
+    index = torch.cat([rows.index, torch.full(pad, -1, dtype=torch.int64)], dim=-1)
+    weight = torch.cat([rows.weight, torch.zeros(pad, dtype=torch.float64)], dim=-1)
+    return TableRows(index, weight, rows.axis, rows.dim)
+
+
+def table_cat(tensors, dim: int = 0) -> TableRows:
+    tensors = list(tensors)
+    first = tensors[0]
+    if any(not isinstance(t, TableRows) or t.axis != first.axis or t.dim != first.dim or t.ndim != first.ndim
+           for t in tensors):
+        raise NotATableRead("cat of tensors that are not reads of one table alike")
+    cat_check(first.ndim, first.axis, dim)
+    dim = normalize_dim(dim, first.ndim)
+    terms = max(t.index.shape[-1] for t in tensors)
+    padded = [_pad_terms(t, terms) for t in tensors]
+    return TableRows(torch.cat([t.index for t in padded], dim=dim), torch.cat([t.weight for t in padded], dim=dim),
+                     first.axis, first.dim)
+
+
+def table_repeat(rows: TableRows, *sizes) -> TableRows:
+    sizes = repeat_check(rows.ndim, rows.axis, sizes)
+    return rows.map(lambda t: t.repeat(*sizes, 1), rows.axis)
+
+
+@functools.lru_cache(maxsize=1024)
+def _taps(in_size: int, out_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return resize_taps_float64(in_size, out_size)
+
+
+def table_bicubic(rows: TableRows, height: int, width: int) -> TableRows:
+    """``kimi_cg.bicubic_resize`` of an [N, C, H, W] read with the features on dim 1: each output
+    element combines the 4 x 4 taps of its position (clamped taps repeat, their weights add)."""
+    bicubic_check(rows.ndim, rows.axis)
+    n, _, in_h, in_w, terms = rows.index.shape
+    rows_taps, rows_weights = _taps(in_h, int(height))
+    cols_taps, cols_weights = _taps(in_w, int(width))
+    h, w = rows_taps.shape[0], cols_taps.shape[0]
+
+    def spread(t):  # [N, 1, H, W, K] -> [N, 1, h, w, 16K]: taps (y, x, k) in that order
+        picked = t[:, :, rows_taps][:, :, :, :, cols_taps]  # [N, 1, h, 4, w, 4, K]
+        return picked.permute(0, 1, 2, 4, 3, 5, 6).reshape(n, 1, h, w, 16 * terms)
+
+    tap_weights = (rows_weights.view(h, 1, 4, 1, 1) * cols_weights.view(1, w, 1, 4, 1)).expand(h, w, 4, 4, terms)
+    weight = spread(rows.weight) * tap_weights.reshape(1, 1, h, w, 16 * terms)
+    return TableRows(spread(rows.index), weight, 1, rows.dim)
+
+
+def table_size(rows: TableRows, dim: int) -> int:
+    return rows.shape[dim]
+
+
+def table_numel(rows: TableRows) -> int:
+    return math.prod(rows.shape)
+
+
+def table_storage_offset(rows: TableRows) -> int:
+    # Only read by dynamo's `offset >= 0` checks: the offset a slice of the table would have.
+    index = rows.index
+    valid = index[index >= 0]
+    return int(valid.min()) * rows.dim if valid.numel() else 0
+
+
+def table_plan_index(rows: TableRows) -> torch.Tensor:
+    """The gather's index [R, K] (int64) for a read whose features are its last dim."""
+    if rows.axis != rows.ndim - 1:
+        raise NotATableRead("a table read that leaves its features off the last dim")
+    return rows.index.reshape(-1, rows.index.shape[-1])
+
+
+def table_plan_weight(rows: TableRows) -> torch.Tensor:
+    return rows.weight.reshape(-1, rows.weight.shape[-1]).to(torch.float32)

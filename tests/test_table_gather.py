@@ -1,0 +1,169 @@
+"""NOTE [table gathers]: per-item reads of module-state tables as host plans and one device gather.
+
+- the stand-in (kimi_cg/runtime/table_rows.py) against the real ops on a real table: every chain's
+  gather equals the chain itself (bitwise for movement, float rounding for the bicubic resize);
+- the op ``kimi_cg.table_gather`` (reference, the Triton kernel through the interpreter, complex tables);
+- TableGatherPass on the reference towers: both tables gathered, no host program reads them, results
+  equal eager's, also after the tables change in place (``.data`` writes no state check could miss:
+  there is none, the device reads the live table), on the padded bucket path with a poisoned pool.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import kimi_cg
+from kimi_cg.models import MoonVitConfig, MoonVitPretrainedModel
+from kimi_cg.ops.table_gather import table_gather_reference
+from kimi_cg.runtime import table_rows as tr
+
+
+def _gather(table: torch.Tensor, rows: tr.TableRows) -> torch.Tensor:
+    """What the device computes for a read whose features are its last dim, in the read's shape."""
+    flat = table.reshape(-1, table.shape[-1])
+    out = table_gather_reference(flat, tr.table_plan_index(rows), tr.table_plan_weight(rows))
+    return out.view(rows.shape)
+
+
+def _source(table: torch.Tensor) -> tr.TableRows:
+    return tr.table_source(tuple(table.shape[:-1]), table.shape[-1])
+
+
+@settings(max_examples=60, deadline=None)
+@given(h=st.integers(1, 9), w=st.integers(1, 9), items=st.lists(st.tuples(st.integers(1, 9), st.integers(1, 9),
+                                                                           st.integers(1, 3)), min_size=1, max_size=4))
+def test_slices_reshapes_repeats_and_cats_gather_exactly(h, w, items):
+    table = torch.randn(9, 9, 5, dtype=torch.float32)
+    real, stand_in = [], []
+    for ih, iw, t in items:
+        real.append(table[:ih, :iw].reshape(-1, 5).repeat(t, 1))
+        rows = tr.table_getitem(_source(table), (slice(None, ih), slice(None, iw)))
+        stand_in.append(tr.table_repeat(tr.table_reshape(rows, -1, 5), t, 1))
+    expected, rows = torch.cat(real), tr.table_cat(stand_in)
+    assert rows.shape == tuple(expected.shape)
+    assert torch.equal(_gather(table, rows), expected)
+
+
+def test_permutes_unsqueezes_getitems_and_flattens_follow_the_feature_dim():
+    table = torch.randn(6, 7, 4)
+    real = table.permute(2, 0, 1).unsqueeze(0)[:, :, 1:5, ::2].squeeze(0).permute(1, 2, 0).flatten(end_dim=1)
+    rows = tr.table_unsqueeze(tr.table_permute(_source(table), 2, 0, 1), 0)
+    assert rows.shape == (1, 4, 6, 7) and rows.axis == 1
+    rows = tr.table_getitem(rows, (slice(None), slice(None), slice(1, 5), slice(None, None, 2)))
+    rows = tr.table_flatten(tr.table_permute(tr.table_squeeze(rows, 0), 1, 2, 0), end_dim=1)
+    assert torch.equal(_gather(table, rows), real)
+    # ints drop dims, None adds one, Ellipsis fills; the feature dim's entry must be whole
+    real = table[None, 2, ..., :]
+    rows = tr.table_getitem(_source(table), (None, 2, Ellipsis, slice(None)))
+    assert rows.shape == tuple(real.shape)
+    assert torch.equal(_gather(table, rows), real.reshape(rows.shape))
+    assert torch.equal(_gather(table, tr.table_transpose(_source(table), 0, 1)), table.transpose(0, 1))
+
+
+@pytest.mark.parametrize("step, call", [
+    ("a slice of the features", lambda rows: tr.table_getitem(rows, (slice(None), slice(None), slice(0, 2)))),
+    ("a view that changes the features", lambda rows: tr.table_view(rows, -1, 2)),
+    ("a view that infers them", lambda rows: tr.table_view(rows, 42, -1)),
+    ("a flatten across them", lambda rows: tr.table_flatten(rows, 1, 2)),
+    ("a cat along them", lambda rows: tr.table_cat([rows, rows], dim=2)),
+    ("a repeat of them", lambda rows: tr.table_repeat(rows, 1, 1, 2)),
+    ("a bicubic resize over them", lambda rows: tr.table_bicubic(rows, 3, 3)),
+    ("tensor indexing", lambda rows: tr.table_getitem(rows, torch.tensor([0, 1]))),
+])
+def test_steps_that_are_not_table_reads_are_refused(step, call):
+    with pytest.raises(tr.NotATableRead):
+        call(tr.table_source((6, 7), 4))
+
+
+@settings(max_examples=40, deadline=None)
+@given(in_h=st.integers(1, 12), in_w=st.integers(1, 12), h=st.integers(1, 30), w=st.integers(1, 30))
+def test_bicubic_read_equals_interpolate(in_h, in_w, h, w):
+    table = torch.randn(in_h, in_w, 6, dtype=torch.float32)
+    real = F.interpolate(table.permute(2, 0, 1).unsqueeze(0), size=(h, w), mode="bicubic")
+    real = real.squeeze(0).permute(1, 2, 0).flatten(end_dim=1)
+    rows = tr.table_unsqueeze(tr.table_permute(_source(table), 2, 0, 1), 0)
+    rows = tr.table_bicubic(rows, h, w)
+    assert rows.index.shape[-1] == 16
+    rows = tr.table_flatten(tr.table_permute(tr.table_squeeze(rows, 0), 1, 2, 0), end_dim=1)
+    # ATen's float32 taps and weights against ours (float64, rounded once to float32): ~1e-7
+    torch.testing.assert_close(_gather(table, rows), real, atol=1e-5, rtol=1e-5)
+
+
+def test_table_gather_op_on_a_complex_table_returns_exact_pairs():
+    table = torch.randn(12, 5, dtype=torch.complex64)
+    index = torch.tensor([[3], [0], [11], [-1]])
+    out = torch.ops.kimi_cg.table_gather(table, index, torch.ones(4, 1))
+    assert out.shape == (4, 5, 2) and out.dtype == torch.float32
+    assert torch.equal(out[:3], torch.view_as_real(table[index[:3, 0]]))
+    assert torch.equal(out[3], torch.zeros(5, 2))
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="the Triton kernel needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_table_gather_kernel_matches_the_reference(monkeypatch, dtype):
+    monkeypatch.setenv("KIMI_CG_TRITON_ON_CPU", "1")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    generator = torch.Generator().manual_seed(0)
+    table = torch.randn(50, 72, generator=generator).to(dtype)
+    index = torch.randint(-1, 50, (33, 16), generator=generator)
+    weight = torch.randn(33, 16, generator=generator)
+    expected = table_gather_reference(table, index, weight)
+    out = torch.ops.kimi_cg.table_gather(table.to(device), index.to(device), weight.to(device)).cpu()
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.02, "rtol": 0.02}
+    torch.testing.assert_close(out, expected, **tolerance)
+
+
+GRIDS = [[[8, 6], [4, 4]], [[6, 10]], [[4, 8], [10, 6], [2, 2]], [[8, 6], [4, 4]], [[16, 14], [2, 4]]]
+
+
+def _run(model, compiled, grid, seed):
+    grid = torch.tensor(grid)
+    x = torch.randn(int(grid.prod(-1).sum()), 3, 14, 14, generator=torch.Generator().manual_seed(seed))
+    return model(x, grid), compiled(x, grid)
+
+
+def _flat(value):
+    return value if isinstance(value, torch.Tensor) else torch.cat([v.reshape(-1, v.shape[-1]) for v in value])
+
+
+@pytest.mark.parametrize("options", [{}, {"cuda_graphs": True, "token_budgets": [128, 512], "poison_graph_pool": True}])
+def test_reference_tower_reads_its_tables_on_the_device(options):
+    torch.manual_seed(0)
+    kimi_cg.reset()
+    model = MoonVitPretrainedModel(MoonVitConfig.tiny()).eval()
+    compiled = torch.compile(model, backend="kimi_cg", options={"strict": True, **options})
+    with torch.no_grad():
+        for seed, grid in enumerate(GRIDS):
+            expected, out = _run(model, compiled, grid, seed)
+            torch.testing.assert_close(_flat(out), _flat(expected), atol=1e-5, rtol=1e-5)
+        # A weight loader's write through .data bumps no version counter: the device reads the table
+        # itself, so the next call sees it.
+        model.patch_embed.pos_emb.weight.data.mul_(2.0)
+        model.encoder.rope_2d.freqs_cis.data.mul_(0.5)
+        expected, out = _run(model, compiled, GRIDS[0], 0)
+        torch.testing.assert_close(_flat(out), _flat(expected), atol=1e-5, rtol=1e-5)
+    assert kimi_cg.counters["table_gathers"] >= 2
+    assert kimi_cg.counters["state_content_checks"] == 0  # no host program reads a table
+
+
+def test_the_option_off_computes_the_tables_on_the_host():
+    torch.manual_seed(0)
+    kimi_cg.reset()
+    model = MoonVitPretrainedModel(MoonVitConfig.tiny()).eval()
+    compiled = torch.compile(model, backend="kimi_cg", options={"strict": True, "table_gathers": False})
+    with torch.no_grad():
+        for seed, grid in enumerate(GRIDS[:3]):
+            expected, out = _run(model, compiled, grid, seed)
+            torch.testing.assert_close(_flat(out), _flat(expected), atol=1e-5, rtol=1e-5)
+    assert kimi_cg.counters["table_gathers"] == 0
+    assert kimi_cg.counters["state_content_checks"] > 0
