@@ -132,6 +132,8 @@ def main() -> None:
     parser.add_argument("--warm-up-stream", action="store_true", help="warm with bench.py's W4 warm-up requests")
     parser.add_argument("--compare-resize", action="store_true",
                         help="alternate the resize kernel and the two-matrix form on fresh streams (see above)")
+    parser.add_argument("--no-table-gathers", action="store_true",
+                        help="option table_gathers=False: the host computes the tables' per-item values (A/B)")
     parser.add_argument("--smoke-test-on-cpu", action="store_true",
                         help="tiny config on the CPU (bucket path without capture), to check this script")
     args = parser.parse_args()
@@ -140,6 +142,8 @@ def main() -> None:
         bench.DEVICE, config, options = "cpu", MoonVitConfig.tiny(), {"cuda_graphs": True}
     elif not torch.cuda.is_available():
         sys.exit("host_phases.py needs a GPU (or --smoke-test-on-cpu)")
+    if args.no_table_gathers:
+        options = {**(options or {}), "table_gathers": False}
     torch.manual_seed(0)
     model = MoonVitPretrainedModel(config).to(bench.DEVICE, torch.bfloat16).eval()
     compiled = torch.compile(model, backend="kimi_cg", options=options)
