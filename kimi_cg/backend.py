@@ -101,7 +101,8 @@ def _lift(work: torch.fx.GraphModule, pristine: torch.fx.GraphModule, inputs, ac
                        owner=f"options {config.compute_hash()}")
     host_inputs = frozenset(i for i, ref in enumerate(lifted.device.inputs) if ref.program == "host")
     compiler = _resolve_compiler(config, example_inputs)
-    if not _has_dynamic_patch_count(inputs):
+    builds_state = _builds_module_state(work)
+    if not _has_dynamic_patch_count(inputs) or builds_state:
         compiler = "eager"  # dynamo's first, static-shape trace serves one L: not worth an Inductor compile
     device = get_device_program(lifted.device.gm, compiler, host_inputs, config.inductor_config)
     try:
@@ -117,7 +118,7 @@ def _lift(work: torch.fx.GraphModule, pristine: torch.fx.GraphModule, inputs, ac
                              field="inductor_code_file")
         else:
             device.dumps.append(dump)
-    graphs = _bucketed_graphs(config, lifted, inputs, device, example_inputs)
+    graphs = None if builds_state else _bucketed_graphs(config, lifted, inputs, device, example_inputs)
     return LiftedRunner(lifted, host, device, activations[0], graphs, fallback=pristine.forward, strict=config.strict,
                         dump=dump, repro=_call_repro(pristine, inputs, config))
 
@@ -215,6 +216,24 @@ def _activation_rows(inputs) -> list:
     row dim (NOTE [rows on dim 1] in kimi_cg/capture.py)."""
     values = [capture.example_value(item.node) for item in inputs if item.role is capture.InputRole.ACTIVATION]
     return [value.shape[capture.row_dim(value)] for value in values if isinstance(value, torch.Tensor) and value.dim() >= 1]
+
+
+def _builds_module_state(gm: torch.fx.GraphModule) -> bool:
+    """NOTE [a graph that builds module state]
+    A tower that makes a table on its first call (MoonViT's RoPE table: ``if self.freqs_cis is None:
+    self.freqs_cis = ...``) has dynamo return the new tensor from that call's graph, computed from
+    literals alone, and store it on the module; the guards of that graph then fail for every later
+    call (the attribute is no longer None), so the graph runs once. Such a graph reads the table as
+    its own intermediate where later graphs read it as module state (NOTE [table gathers]): its
+    device program differs from theirs. It runs the plain program (no Inductor compile, no buckets
+    captured: 17 bucket captures and a compile for one call, on an H100 at 63ed8db)."""
+    output = next((node for node in gm.graph.nodes if node.op == "output"), None)
+    if output is None:
+        return False
+    free: dict[torch.fx.Node, bool] = {}
+    for node in gm.graph.nodes:  # True: computed without any graph input
+        free[node] = node.op not in ("placeholder", "output") and all(free[arg] for arg in node.all_input_nodes)
+    return any(free.get(node) and isinstance(capture.example_value(node), torch.Tensor) for node in output.all_input_nodes)
 
 
 def _has_dynamic_patch_count(inputs) -> bool:

@@ -167,3 +167,29 @@ def test_the_option_off_computes_the_tables_on_the_host():
             torch.testing.assert_close(_flat(out), _flat(expected), atol=1e-5, rtol=1e-5)
     assert kimi_cg.counters["table_gathers"] == 0
     assert kimi_cg.counters["state_content_checks"] > 0
+
+
+def test_the_graph_that_builds_the_rope_table_runs_once_without_buckets():
+    """NOTE [a graph that builds module state]: the first call's graph makes the RoPE table (returned
+    to be stored on the module); it runs the plain program (no buckets), every call equal to eager."""
+    from kimi_cg.runtime.runner import live_runners
+
+    torch.manual_seed(0)
+    kimi_cg.reset()
+    torch._dynamo.reset()
+    model = MoonVitPretrainedModel(MoonVitConfig.tiny()).eval()
+    assert model.encoder.rope_2d.freqs_cis is None
+    before = set(live_runners())  # other tests' runners may still be alive
+    compiled = torch.compile(model, backend="kimi_cg", options={"strict": True, "cuda_graphs": True,
+                                                                "token_budgets": [128, 512]})
+    with torch.no_grad():
+        for seed, grid in enumerate(GRIDS):
+            grid = torch.tensor(grid)
+            x = torch.randn(int(grid.prod(-1).sum()), 3, 14, 14, generator=torch.Generator().manual_seed(seed))
+            out = compiled(x, grid)  # first: the compiled call makes the table
+            torch.testing.assert_close(_flat(out), _flat(model(x, grid)), atol=1e-5, rtol=1e-5)
+    runners = [r for r in live_runners() if r not in before]
+    builders = [r for r in runners if r.graphs_for is None]
+    assert len(builders) == 1 and len(runners) > 1
+    # (the program the later graphs share: tests/test_dumps.py's index test)
+    assert builders[0].device.key not in {r.device.key for r in runners if r.graphs_for is not None}
