@@ -262,9 +262,26 @@ def table_bicubic(rows: TableRows, height: int, width: int) -> TableRows:
     # over two dims was ~20x slower on the host).
     positions = (rows_taps.view(h, 1, 4, 1) * in_w + cols_taps.view(1, w, 1, 4)).reshape(-1)
     tap_weights = (rows_weights.view(h, 1, 4, 1) * cols_weights.view(1, w, 1, 4)).reshape(1, -1, 1)
-    index = rows.index.reshape(n, in_h * in_w, terms).index_select(1, positions)
-    weight = (rows.weight.reshape(n, in_h * in_w, terms).index_select(1, positions) * tap_weights).float()
+    flat_index = rows.index.reshape(n, in_h * in_w, terms)
+    if n == 1 and terms == 1 and _reads_each_row_once(flat_index, rows.weight):
+        # The table's own grid (a permuted view of the source): the taps are the plan (no gathers).
+        index = positions.view(1, -1, 1)
+        weight = tap_weights.float()
+    else:
+        index = flat_index.index_select(1, positions)
+        weight = (rows.weight.reshape(n, in_h * in_w, terms).index_select(1, positions) * tap_weights).float()
     return TableRows(index.view(n, 1, h, w, 16 * terms), weight.view(n, 1, h, w, 16 * terms), 1, rows.dim)
+
+
+def _reads_each_row_once(flat_index: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a [1, L, 1] read is rows 0..L-1 in order, each with weight 1 (a view of the source)."""
+    count = flat_index.shape[1]
+    return bool(torch.equal(flat_index.view(-1), _arange(count))) and bool((weight == 1).all())
+
+
+@functools.lru_cache(maxsize=16)
+def _arange(count: int) -> torch.Tensor:
+    return torch.arange(count, dtype=torch.int64)
 
 
 def table_size(rows: TableRows, dim: int) -> int:
