@@ -119,8 +119,11 @@ def _lift(work: torch.fx.GraphModule, pristine: torch.fx.GraphModule, inputs, ac
         else:
             device.dumps.append(dump)
     graphs = None if builds_state else _bucketed_graphs(config, lifted, inputs, device, example_inputs)
-    return LiftedRunner(lifted, host, device, activations[0], graphs, fallback=pristine.forward, strict=config.strict,
-                        dump=dump, repro=_call_repro(pristine, inputs, config))
+    runner = LiftedRunner(lifted, host, device, activations[0], graphs, fallback=pristine.forward, strict=config.strict,
+                          dump=dump, repro=_call_repro(pristine, inputs, config))
+    if builds_state:
+        runner.plain_reason = "builds module state (runs once)"  # NOTE [a graph that builds module state]
+    return runner
 
 
 def _call_repro(pristine: torch.fx.GraphModule, inputs, config: KimiCGConfig):

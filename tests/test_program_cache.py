@@ -158,7 +158,8 @@ def test_the_cache_is_on_by_default_under_inductors_cache_directory(tmp_path, mo
         else:
             monkeypatch.setenv(program_cache.ENVIRONMENT_VARIABLE, value)
         assert program_cache.directory() == str(tmp_path / "inductor" / "kimi_cg_programs")
-    assert _run(_tower(), GRIDS[:1]) <= 1e-5
+    # (two calls: the first builds the RoPE table on the plain program, NOTE [a graph that builds module state])
+    assert _run(_tower(), GRIDS[:2]) <= 1e-5
     assert kimi_cg.counters["program_cache_stores"] == 1, dict(kimi_cg.counters)
     assert any(path.suffix == ".json" for path in (tmp_path / "inductor" / "kimi_cg_programs").rglob("*"))
 

@@ -193,3 +193,23 @@ def test_the_graph_that_builds_the_rope_table_runs_once_without_buckets():
     assert len(builders) == 1 and len(runners) > 1
     # (the program the later graphs share: tests/test_dumps.py's index test)
     assert builders[0].device.key not in {r.device.key for r in runners if r.graphs_for is not None}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned staging needs CUDA")
+def test_plans_staged_through_pinned_memory_on_cuda(monkeypatch):
+    """NOTE [pinned staging]: plans of 512+ rows go to the device through a pinned buffer, also for a
+    split call (the second part's fill reuses the buffer after the first part's copy); equal to eager."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    torch.manual_seed(0)
+    kimi_cg.reset()
+    model = MoonVitPretrainedModel(MoonVitConfig.tiny()).cuda().eval()
+    compiled = torch.compile(model, backend="kimi_cg", options={"strict": True, "token_budgets": [256, 1024],
+                                                                "poison_graph_pool": True})
+    grids = [[[24, 28]], [[24, 28]], [[20, 30], [28, 26]], [[16, 16]], [[26, 30], [30, 26], [8, 8]], [[24, 28]]]
+    with torch.no_grad():
+        for seed, grid in enumerate(grids):
+            grid = torch.tensor(grid)
+            x = torch.randn(int(grid.prod(-1).sum()), 3, 14, 14, generator=torch.Generator().manual_seed(seed)).cuda()
+            expected, out = model(x, grid), compiled(x, grid)
+            torch.testing.assert_close(_flat(out), _flat(expected), atol=1e-5, rtol=1e-5)
+    assert kimi_cg.counters["table_gathers"] >= 2 and kimi_cg.counters["call_fallbacks"] == 0

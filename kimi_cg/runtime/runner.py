@@ -54,6 +54,7 @@ class LiftedRunner:
         self.post_refs = lifted.post.inputs
         self.output_refs = lifted.outputs
         self.graphs_for = graphs_for  # device inputs -> BucketedGraphs (shared by equal programs)
+        self.plain_reason = "CUDA graphs off"  # why calls run the plain program when graphs_for is None
         self.copied_outputs = _host_outputs_to_copy(lifted, host)
         self.graphs: BucketedGraphs | None = None
         self.device_ran = False  # whether a call of this graph ran its device program
@@ -229,7 +230,7 @@ class LiftedRunner:
             _note(record, path="plain program", reason="padding could reach real rows" if graphs.hazard else "no bucket fits", rows=graphs.patch_rows(device_args) if record is not None else None)
             logger.debug("kimi_cg: call does not fit a bucket; running the non-graphed device program")
         else:
-            _note(record, path="plain program", reason="CUDA graphs off")
+            _note(record, path="plain program", reason=self.plain_reason)
         return self.device(*device_args)
 
     def _replay(self, graphs, device_args, record=None, host_side=None):
