@@ -72,9 +72,8 @@ def test_index_names_every_graph_by_compile_id_with_its_grid_and_files(served):
         # Each pass that changed the graph left a diff; the device program is kept once per run.
         assert {"01_separable_resize.diff", "02_segment_attention.diff"} <= files, files
         assert (Path(graph["path"]).parent / graph["device_programs_file"]).is_file()
-    # One shared program (NOTE [dynamic first trace]) for the graphs that read the RoPE table as module state;
-    # the first call builds the table inside its graph, so only its position grid is a table gather there
-    # (NOTE [table gathers]): a program of its own, for that one call.
+    # One shared program (NOTE [dynamic first trace]) for the graphs that read the RoPE table as module state
+    # (with NOTE [table gathers] on, the first call's graph, which builds the table, has one of its own).
     assert len({g["device_programs_file"] for g in lifted[1:]}) == 1
     index = (Path(graphs[0]["path"]).parent / "index.md").read_text()
     assert all(f"[{g['compile_id']}]" in index and g["folder"] in index for g in graphs)
@@ -426,8 +425,7 @@ def test_lift_report_gives_reasons_padding_rules_and_the_cached_item_code(served
     assert any("grid_hws.tolist()" in node["source"] for node in items)
     # The per-item subgraphs (interpolated position embeddings among them) are printed after the host program.
     host = (Path(graph["path"]) / "host_program.py").read_text()
-    # (with NOTE [table gathers] the position grid's resize is a plan: table_bicubic on the stand-in)
-    assert "computed once per item size" in host and "table_bicubic" in host.split("computed once per item size", 1)[1]
+    assert "computed once per item size" in host and "bicubic_resize" in host.split("computed once per item size", 1)[1]
 
 
 def test_a_failing_report_writer_never_changes_what_runs(tmp_path, monkeypatch, caplog):

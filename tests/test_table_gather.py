@@ -141,7 +141,7 @@ def test_reference_tower_reads_its_tables_on_the_device(options):
     torch.manual_seed(0)
     kimi_cg.reset()
     model = MoonVitPretrainedModel(MoonVitConfig.tiny()).eval()
-    compiled = torch.compile(model, backend="kimi_cg", options={"strict": True, **options})
+    compiled = torch.compile(model, backend="kimi_cg", options={"strict": True, "table_gathers": True, **options})
     with torch.no_grad():
         for seed, grid in enumerate(GRIDS):
             expected, out = _run(model, compiled, grid, seed)
@@ -181,7 +181,7 @@ def test_the_graph_that_builds_the_rope_table_runs_once_without_buckets():
     assert model.encoder.rope_2d.freqs_cis is None
     before = set(live_runners())  # other tests' runners may still be alive
     compiled = torch.compile(model, backend="kimi_cg", options={"strict": True, "cuda_graphs": True,
-                                                                "token_budgets": [128, 512]})
+                                                                "token_budgets": [128, 512], "table_gathers": True})
     with torch.no_grad():
         for seed, grid in enumerate(GRIDS):
             grid = torch.tensor(grid)
@@ -204,7 +204,7 @@ def test_plans_staged_through_pinned_memory_on_cuda(monkeypatch):
     kimi_cg.reset()
     model = MoonVitPretrainedModel(MoonVitConfig.tiny()).cuda().eval()
     compiled = torch.compile(model, backend="kimi_cg", options={"strict": True, "token_budgets": [256, 1024],
-                                                                "poison_graph_pool": True})
+                                                                "poison_graph_pool": True, "table_gathers": True})
     grids = [[[24, 28]], [[24, 28]], [[20, 30], [28, 26]], [[16, 16]], [[26, 30], [30, 26], [8, 8]], [[24, 28]]]
     with torch.no_grad():
         for seed, grid in enumerate(grids):
