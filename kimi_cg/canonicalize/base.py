@@ -44,6 +44,26 @@ class GraphPass:
         return gm
 
 
+def replay_before(graph: torch.fx.Graph, nodes, replaced: dict, function_of, marks: tuple[str, ...] = ()):
+    """Before each of ``nodes``, a call of ``function_of(node)`` on the node's arguments with the nodes
+    already in ``replaced`` swapped for their replacements (a region replayed on a host stand-in);
+    ``replaced`` gains each node's call, which carries the node's stack trace and the meta ``marks``.
+    Returns the argument mapping, for the region's other users."""
+
+    def swap(arg):
+        return replaced.get(arg, arg) if isinstance(arg, torch.fx.Node) else arg
+
+    for node in nodes:
+        with graph.inserting_before(node):
+            args = torch.fx.node.map_arg(node.args, swap)
+            kwargs = torch.fx.node.map_arg(node.kwargs, swap)
+            replaced[node] = graph.call_function(function_of(node), args, kwargs)
+        replaced[node].meta["stack_trace"] = node.meta.get("stack_trace")
+        for mark in marks:
+            replaced[node].meta[mark] = True
+    return swap
+
+
 def call_arguments(node: torch.fx.Node, names: tuple[str, ...], defaults: dict) -> dict | None:
     """A call's arguments by name (positional ones matched to ``names``, defaults filled in); None when it
     passes more positional arguments than ``names`` or a keyword not among them."""

@@ -36,7 +36,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 import kimi_cg.ops  # noqa: F401  (registers torch.ops.kimi_cg.*)
 from kimi_cg.aliasing import Aliasing
 from kimi_cg.capture import example_value
-from kimi_cg.canonicalize.base import GraphPass, stable_topological_sort
+from kimi_cg.canonicalize.base import GraphPass, replay_before, stable_topological_sort
 from kimi_cg.errors import UnsupportedGraphError
 from kimi_cg.lift import activation_dependent_nodes, output_view_nodes, source_location
 from kimi_cg.runtime.gather_plan import (
@@ -157,16 +157,7 @@ class MergeGatherPass(GraphPass):
         with graph.inserting_after(sizes[-1]):
             source = graph.call_function(row_source, (tuple(sizes), dim))
         host: dict[torch.fx.Node, torch.fx.Node] = {anchor: source}
-
-        def to_host(arg):
-            return host.get(arg, arg) if isinstance(arg, torch.fx.Node) else arg
-
-        for node in region:
-            with graph.inserting_before(node):
-                args = torch.fx.node.map_arg(node.args, to_host)
-                kwargs = torch.fx.node.map_arg(node.kwargs, to_host)
-                host[node] = graph.call_function(_row_function(node), args, kwargs)
-            host[node].meta["stack_trace"] = node.meta.get("stack_trace")
+        to_host = replay_before(graph, region, host, _row_function)
         for node in list(graph.nodes):  # sizes of per-item activations are host values now
             if node.op == "call_function" and node.target in _ROW_SYMBOLS and node.args[0] in in_region:
                 with graph.inserting_before(node):

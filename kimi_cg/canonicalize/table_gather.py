@@ -37,10 +37,11 @@ import kimi_cg.ops  # noqa: F401  (registers torch.ops.kimi_cg.*)
 from kimi_cg import capture
 from kimi_cg.aliasing import Aliasing
 from kimi_cg.capture import example_value
-from kimi_cg.canonicalize.base import GraphPass, stable_topological_sort
+from kimi_cg.canonicalize.base import GraphPass, replay_before, stable_topological_sort
 from kimi_cg.counters import counters
 from kimi_cg.lift import activation_dependent_nodes
 from kimi_cg.runtime import table_rows as tr
+from kimi_cg.runtime.gather_plan import row_numel, row_size
 
 DEVICE_PLACEMENT = "kimi_cg_device"
 """Node meta key: the lift puts the node in the device program whatever its inputs (lift.py)."""
@@ -59,8 +60,8 @@ _FUNCTIONS = {
     torch.ops.kimi_cg.bicubic_resize.default: tr.table_bicubic,
 }
 _SIZE_QUERIES = {
-    torch.ops.aten.sym_size.int: tr.table_size,
-    torch.ops.aten.sym_numel.default: tr.table_numel,
+    torch.ops.aten.sym_size.int: row_size,
+    torch.ops.aten.sym_numel.default: row_numel,
     torch.ops.aten.sym_storage_offset.default: tr.table_storage_offset,
 }
 _VIEWS = {"view", "reshape", "unsqueeze", "squeeze", "flatten", "expand", "permute", "transpose", "contiguous",
@@ -251,17 +252,7 @@ class TableGatherPass(GraphPass):
             source = graph.call_function(tr.table_source, (leading, feature))
         source.meta[TABLE_ROWS] = True
         host = {anchor: source}
-
-        def to_host(arg):
-            return host.get(arg, arg) if isinstance(arg, torch.fx.Node) else arg
-
-        for node in keep:
-            with graph.inserting_before(node):
-                args = torch.fx.node.map_arg(node.args, to_host)
-                kwargs = torch.fx.node.map_arg(node.kwargs, to_host)
-                host[node] = graph.call_function(_function(node), args, kwargs)
-            host[node].meta[TABLE_ROWS] = True
-            host[node].meta["stack_trace"] = node.meta.get("stack_trace")
+        to_host = replay_before(graph, keep, host, _function, marks=(TABLE_ROWS,))
         kept = set(keep)
         for node in list(graph.nodes):  # sizes of the per-item reads are host values now
             if node.op == "call_function" and node.target in _SIZE_QUERIES and node.args and node.args[0] in kept:

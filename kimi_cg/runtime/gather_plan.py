@@ -144,14 +144,17 @@ def row_mean(rows: RowCombination, dim, keepdim: bool = False, dtype=None) -> Ro
     return result.map(lambda t: t.unsqueeze(d)) if keepdim else result
 
 
+def padded_terms(index: torch.Tensor, weight: torch.Tensor, terms: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """index / weight [..., K] widened to ``terms`` with terms that contribute nothing (-1, weight 0)."""
+    pad = list(index.shape[:-1]) + [terms - index.shape[-1]]
+    return (torch.cat([index, torch.full(pad, -1, dtype=index.dtype)], dim=-1),
+            torch.cat([weight, torch.zeros(pad, dtype=weight.dtype)], dim=-1))
+
+
 def _pad_terms(rows: RowCombination, terms: int) -> RowCombination:
-    missing = terms - rows.index.shape[-1]
-    if missing == 0:
+    if terms == rows.index.shape[-1]:
         return rows
-    pad = list(rows.index.shape[:-1]) + [missing]
-    index = torch.cat([rows.index, torch.full(pad, -1, dtype=torch.int64)], dim=-1)
-    weight = torch.cat([rows.weight, torch.zeros(pad, dtype=torch.float64)], dim=-1)
-    return RowCombination(index, weight, rows.dim)
+    return RowCombination(*padded_terms(rows.index, rows.weight, terms), rows.dim)
 
 
 def row_cat(tensors, dim: int = 0) -> RowCombination:
@@ -164,11 +167,12 @@ def row_cat(tensors, dim: int = 0) -> RowCombination:
     )
 
 
-def row_size(rows: RowCombination, dim: int) -> int:
+def row_size(rows, dim: int) -> int:
+    """A stand-in's size (RowCombination here, TableRows of table_rows.py: both have ``shape``)."""
     return rows.shape[dim]
 
 
-def row_numel(rows: RowCombination) -> int:
+def row_numel(rows) -> int:
     return math.prod(rows.shape)
 
 

@@ -28,6 +28,7 @@ import math
 import torch
 
 from kimi_cg.ops.resize import resize_taps_float64
+from kimi_cg.runtime.gather_plan import padded_terms
 
 
 @dataclasses.dataclass(eq=False)
@@ -216,13 +217,9 @@ def table_getitem(rows: TableRows, item) -> TableRows:
 
 
 def _pad_terms(rows: TableRows, terms: int) -> TableRows:
-    missing = terms - rows.index.shape[-1]
-    if missing == 0:
+    if terms == rows.index.shape[-1]:
         return rows
-    pad = list(rows.index.shape[:-1]) + [missing]
-    index = torch.cat([rows.index, torch.full(pad, -1, dtype=torch.int64)], dim=-1)
-    weight = torch.cat([rows.weight, torch.zeros(pad, dtype=torch.float32)], dim=-1)
-    return TableRows(index, weight, rows.axis, rows.dim)
+    return TableRows(*padded_terms(rows.index, rows.weight, terms), rows.axis, rows.dim)
 
 
 def table_cat(tensors, dim: int = 0) -> TableRows:
@@ -282,14 +279,6 @@ def _reads_each_row_once(flat_index: torch.Tensor, weight: torch.Tensor) -> bool
 @functools.lru_cache(maxsize=16)
 def _arange(count: int) -> torch.Tensor:
     return torch.arange(count, dtype=torch.int64)
-
-
-def table_size(rows: TableRows, dim: int) -> int:
-    return rows.shape[dim]
-
-
-def table_numel(rows: TableRows) -> int:
-    return math.prod(rows.shape)
 
 
 def table_storage_offset(rows: TableRows) -> int:
