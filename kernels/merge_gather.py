@@ -1,7 +1,7 @@
 """Weighted row gather ("merge gather"), optionally fused with a LayerNorm over each output row.
 
     x:       [L, D]  float32 / bfloat16 / float16, one row per patch
-    index:   [R, K]  int64; an entry >= 0 is a row of x, -1 means "no contribution"
+    index:   [R, K]  int64 or int32; an entry >= 0 is a row of x, -1 means "no contribution"
     weight:  [R, K]  float32
     out:     [R, D]  x.dtype
     out[r, :] = sum over k with index[r, k] >= 0 of weight[r, k] * x[index[r, k], :]
@@ -49,8 +49,12 @@ def _merge_gather_kernel(
     n_x_rows,
     n_cols: tl.constexpr,
     K: tl.constexpr,
+    OUTER: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
+    # OUTER 0: the K terms as listed. OUTER > 0: the terms are the pairs (i, j) of the first OUTER
+    # entries and the other K - OUTER, row index[i] + index[OUTER + j], weight weight[i] * weight[OUTER + j]
+    # (a table's bicubic resize as 4 row taps by 4 column taps, NOTE [table gathers]).
     # One program per output row; int64 so that row * stride cannot overflow for R * D >= 2**31.
     # n_cols (D) is a constexpr: it is fixed per model, so specialising costs one compile, lets the
     # column loop unroll, and keeps `range` off a runtime scalar, which Triton 3.6's interpreter
@@ -65,9 +69,17 @@ def _merge_gather_kernel(
         col_mask = cols < n_cols
         # has_contribution: whether acc already holds a term (see NOTE [skipped entries ...]).
         # K >= 1 here (the host handles K == 0), so the k == 0 step always defines both.
-        for k in tl.static_range(K):
-            source_row = tl.load(index_row_ptr + k).to(tl.int64)
-            source_weight = tl.load(weight_row_ptr + k).to(tl.float32)
+        for k in tl.static_range(K if OUTER == 0 else OUTER * (K - OUTER)):
+            if OUTER == 0:
+                source_row = tl.load(index_row_ptr + k).to(tl.int64)
+                source_weight = tl.load(weight_row_ptr + k).to(tl.float32)
+            else:
+                first = tl.load(index_row_ptr + k // (K - OUTER)).to(tl.int64)
+                second = tl.load(index_row_ptr + OUTER + k % (K - OUTER)).to(tl.int64)
+                source_row = tl.where((first >= 0) & (second >= 0), first + second, -1)
+                source_weight = tl.load(weight_row_ptr + k // (K - OUTER)).to(tl.float32) * tl.load(
+                    weight_row_ptr + OUTER + k % (K - OUTER)
+                ).to(tl.float32)
             valid = (source_row >= 0) & (source_row < n_x_rows)
             values = tl.load(
                 x_ptr + source_row * x_row_stride + cols, mask=col_mask & valid, other=0.0
@@ -137,8 +149,8 @@ def _check_merge_gather_inputs(x: torch.Tensor, index: torch.Tensor, weight: tor
         raise ValueError(f"merge_gather expects x in float32, bfloat16 or float16; got {x.dtype}")
     if index.dim() != 2:
         raise ValueError(f"merge_gather expects index of shape [R, K]; got {tuple(index.shape)}")
-    if index.dtype != torch.int64:
-        raise ValueError(f"merge_gather expects an int64 index; got {index.dtype}")
+    if index.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"merge_gather expects an int64 or int32 index; got {index.dtype}")
     if weight.shape != index.shape:
         raise ValueError(
             f"merge_gather expects weight shaped like index {tuple(index.shape)}; got {tuple(weight.shape)}"
@@ -189,13 +201,16 @@ def _output_buffer(x: torch.Tensor, n_rows: int, out: torch.Tensor | None) -> to
 
 
 def merge_gather(
-    x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None
+    x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, *, outer: int = 0, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Triton weighted row gather: [L, D], [R, K], [R, K] -> [R, D] in x.dtype.
+    """Triton weighted row gather: [L, D], [R, K], [R, K] -> [R, D] in x.dtype; ``outer`` > 0 pairs the
+    first ``outer`` entries of a row with the others (the kernel's OUTER).
 
     Every element of ``out`` is written, also for rows whose entries are all -1 (zeros).
     """
     _check_merge_gather_inputs(x, index, weight)
+    if outer < 0 or outer and outer >= index.shape[1]:
+        raise ValueError(f"merge_gather's outer must be in [0, K) for K={index.shape[1]}; got {outer}")
     x, index, weight = x.contiguous(), index.contiguous(), weight.contiguous()
     n_rows, n_terms = index.shape
     hidden = x.shape[1]
@@ -218,6 +233,7 @@ def merge_gather(
             x.shape[0],
             hidden,
             K=n_terms,
+            OUTER=outer,
             BLOCK_SIZE=block_size,
             num_warps=_num_warps(block_size),
         )

@@ -29,6 +29,8 @@ Keys (missing keys read as 0):
                               canonicalize/linear_gelu.py), per dynamo graph
   table_gathers               per-item reads of a module-state table made one device gather (NOTE [table
                               gathers] in runtime/table_rows.py), per dynamo graph
+  table_gather_pairs          of their bicubic resizes, those of the table's own grid planned as 4 row by 4
+                              column taps, per dynamo graph
   metadata_cache_hits/misses  per-item host metadata lookups
   batch_cache_hits            calls whose whole host pass was reused (same grid, same weights)
   state_content_checks        state tensors compared with their snapshot (NOTE [state tokens])

@@ -39,7 +39,7 @@ from kimi_cg.errors import InvalidInputError, UnsupportedGraphError
 from kimi_cg.lift import Program, source_location
 from kimi_cg.runtime.memory import metadata_store
 from kimi_cg.runtime.state_tokens import state_tokens
-from kimi_cg.runtime.table_rows import table_source
+from kimi_cg.runtime.table_rows import TABLE_ROWS, table_source
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ def install_item_cache(gm: torch.fx.GraphModule, grid_placeholders: set[torch.fx
                 ok = False
         if not ok or not input_rows:
             continue
-        if isinstance(value, torch.Tensor) or node.meta.get("kimi_cg_table_rows"):  # NOTE [table gathers]
+        if isinstance(value, torch.Tensor) or node.meta.get(TABLE_ROWS):  # NOTE [table gathers]
             item_tensor[node] = frozenset(input_rows)
         elif isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool):
             rows[node] = frozenset(input_rows)

@@ -40,6 +40,7 @@ from kimi_cg.aliasing import Aliasing
 from kimi_cg.capture import GraphInput, InputRole, example_value
 from kimi_cg.errors import UnsupportedGraphError
 from kimi_cg.runtime.gather_plan import take_rows
+from kimi_cg.runtime.table_rows import DEVICE_PLACEMENT
 
 logger = logging.getLogger(__name__)
 
@@ -210,7 +211,7 @@ def _categories(graph, inputs, activation, post, forced) -> dict[torch.fx.Node, 
             continue
         if node.op == "get_attr":
             category = Category.CONST
-        elif node.meta.get("kimi_cg_device"):
+        elif node.meta.get(DEVICE_PLACEMENT):
             category = Category.DEVICE  # NOTE [table gathers]: reads module state where it lives
         elif node in post:
             category = Category.POST

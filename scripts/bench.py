@@ -163,6 +163,7 @@ KIMI_CG_VARIANTS = {
     "kimi_cg_one_length_class": {"attention_length_classes": 1},  # NOTE [segment-length classes] off
     "kimi_cg_no_linear_gelu": {"linear_gelu_epilogue": False},  # NOTE [linear + GELU epilogue] off
     "kimi_cg_no_table_gathers": {"table_gathers": False},  # NOTE [table gathers] off
+    "kimi_cg_table_gathers": {"table_gathers": True},  # NOTE [table gathers] on
     # Inductor's GEMM autotuning for the device program, in force only while kimi_cg compiles it
     "kimi_cg_max_autotune": {"inductor_config": {"max_autotune": True, "max_autotune_gemm": True}},
     "kimi_cg_small_buckets": {"min_tokens": 256},  # the ladder from 256 patches: W5's requests pad less

@@ -134,6 +134,8 @@ def main() -> None:
                         help="alternate the resize kernel and the two-matrix form on fresh streams (see above)")
     parser.add_argument("--no-table-gathers", action="store_true",
                         help="option table_gathers=False: the host computes the tables' per-item values (A/B)")
+    parser.add_argument("--table-gathers", action="store_true",
+                        help="option table_gathers=True: the device reads the tables with host plans (A/B)")
     parser.add_argument("--smoke-test-on-cpu", action="store_true",
                         help="tiny config on the CPU (bucket path without capture), to check this script")
     args = parser.parse_args()
@@ -142,8 +144,8 @@ def main() -> None:
         bench.DEVICE, config, options = "cpu", MoonVitConfig.tiny(), {"cuda_graphs": True}
     elif not torch.cuda.is_available():
         sys.exit("host_phases.py needs a GPU (or --smoke-test-on-cpu)")
-    if args.no_table_gathers:
-        options = {**(options or {}), "table_gathers": False}
+    if args.no_table_gathers or args.table_gathers:
+        options = {**(options or {}), "table_gathers": bool(args.table_gathers)}
     torch.manual_seed(0)
     model = MoonVitPretrainedModel(config).to(bench.DEVICE, torch.bfloat16).eval()
     compiled = torch.compile(model, backend="kimi_cg", options=options)

@@ -358,7 +358,7 @@ def _valid_inputs():
         ("x", lambda t: t[0], "x of shape"),
         ("x", lambda t: t.to(torch.int32), "float32, bfloat16 or float16"),
         ("index", lambda t: t[:, 0], "index of shape"),
-        ("index", lambda t: t.to(torch.int32), "int64 index"),
+        ("index", lambda t: t.to(torch.int16), "int64 or int32 index"),
         ("weight", lambda t: t[:, :1], "weight shaped like index"),
         ("weight", lambda t: t.to(torch.float16), "float32 weight"),
         ("weight", lambda t: t.to("meta"), "one device"),

@@ -30,7 +30,7 @@ from kimi_cg.runtime import table_rows as tr
 def _gather(table: torch.Tensor, rows: tr.TableRows) -> torch.Tensor:
     """What the device computes for a read whose features are its last dim, in the read's shape."""
     flat = table.reshape(-1, table.shape[-1])
-    out = table_gather_reference(flat, tr.table_plan_index(rows), tr.table_plan_weight(rows))
+    out = table_gather_reference(flat, tr.table_plan_index(rows), tr.table_plan_weight(rows), rows.outer)
     return out.view(rows.shape)
 
 
@@ -98,6 +98,74 @@ def test_bicubic_read_equals_interpolate(in_h, in_w, h, w):
     torch.testing.assert_close(_gather(table, rows), real, atol=1e-5, rtol=1e-5)
 
 
+def _own_grid(table: torch.Tensor) -> tr.TableRows:
+    return tr.table_unsqueeze(tr.table_permute(_source(table), 2, 0, 1), 0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(in_h=st.integers(1, 12), in_w=st.integers(1, 12), h=st.integers(1, 30), w=st.integers(1, 30),
+       transposed=st.booleans())
+def test_bicubic_pairs_of_the_own_grid_equal_interpolate_and_the_listed_plan(in_h, in_w, h, w, transposed):
+    table = torch.randn(in_h, in_w, 6, dtype=torch.float32)
+    grid = table.permute(2, 0, 1).unsqueeze(0)
+    rows = _own_grid(table)
+    if transposed:  # the table's grid read column-major: still affine (row step 1, column step in_w)
+        grid, rows = grid.transpose(2, 3), tr.table_transpose(rows, 2, 3)
+    steps = tr.affine_grid(rows)  # a step along a dim of size 1 is never used: 0
+    if transposed:
+        assert steps == (0, 1 if in_w > 1 else 0, in_w if in_h > 1 else 0)
+    else:
+        assert steps == (0, in_w if in_h > 1 else 0, 1 if in_w > 1 else 0)
+    pairs = tr.table_bicubic_pairs(rows, h, w, *steps)
+    assert pairs.outer == 4 and pairs.index.shape[-1] == 8 and pairs.index.dtype == torch.int32
+    real = F.interpolate(grid, size=(h, w), mode="bicubic")
+    flat = lambda r: tr.table_flatten(tr.table_permute(tr.table_squeeze(r, 0), 1, 2, 0), end_dim=1)  # noqa: E731
+    torch.testing.assert_close(_gather(table, flat(pairs)), real.squeeze(0).permute(1, 2, 0).flatten(end_dim=1),
+                               atol=1e-5, rtol=1e-5)
+    # the same terms listed: the pairs' sums and float32 products, term for term
+    listed = tr.listed_terms(flat(pairs))
+    assert listed.outer == 0 and listed.index.shape[-1] == 16
+    assert torch.equal(_gather(table, listed), _gather(table, flat(pairs)))
+    dense = tr.table_bicubic(rows, h, w)
+    assert torch.equal(tr.listed_terms(pairs).index, dense.index)
+
+
+def test_affine_grid_finds_the_steps_of_a_grid_read_and_refuses_others():
+    table = torch.randn(6, 7, 3)
+    assert tr.affine_grid(_own_grid(table)) == (0, 7, 1)
+    assert tr.affine_grid(tr.table_transpose(_own_grid(table), 2, 3)) == (0, 1, 7)
+    sliced = tr.table_getitem(_own_grid(table), (slice(None), slice(None), slice(2, 5), slice(1, None, 2)))
+    assert tr.affine_grid(sliced) == (2 * 7 + 1, 7, 2)
+    halves = tr.table_cat([tr.table_getitem(_own_grid(table), (slice(None), slice(None), slice(3, 6))),
+                           tr.table_getitem(_own_grid(table), (slice(None), slice(None), slice(0, 3)))], dim=2)
+    assert tr.affine_grid(halves) is None  # rows 3-5 then 0-2: not one step
+    assert tr.affine_grid(tr.table_bicubic(_own_grid(table), 4, 4)) is None  # 16 weighted terms per row
+    two = tr.table_cat([_own_grid(table), _own_grid(table)], dim=0)
+    assert tr.affine_grid(two) is None  # two images
+
+
+def test_cats_of_pairs_stay_pairs_and_mixed_cats_list_their_terms():
+    table = torch.randn(5, 6, 4)
+    grid = table.permute(2, 0, 1).unsqueeze(0)
+    steps = tr.affine_grid(_own_grid(table))
+
+    def item(h, w):
+        rows = tr.table_bicubic_pairs(_own_grid(table), h, w, *steps)
+        real = F.interpolate(grid, size=(h, w), mode="bicubic")
+        return tr.table_reshape(tr.table_permute(rows, 0, 2, 3, 1), -1, 4), real.permute(0, 2, 3, 1).reshape(-1, 4)
+
+    (a, real_a), (b, real_b) = item(3, 9), item(7, 2)
+    both = tr.table_cat([a, b])
+    assert both.outer == 4 == tr.cat_outer([4, 4])
+    torch.testing.assert_close(_gather(table, both), torch.cat([real_a, real_b]), atol=1e-5, rtol=1e-5)
+    plain = tr.table_reshape(tr.table_getitem(_source(table), (slice(None, 2), slice(None, 3))), -1, 4)
+    mixed = tr.table_cat([a, plain])
+    assert mixed.outer == 0 == tr.cat_outer([4, 0]) and mixed.index.shape[-1] == 16
+    torch.testing.assert_close(_gather(table, mixed), torch.cat([real_a, table[:2, :3].reshape(-1, 4)]),
+                               atol=1e-5, rtol=1e-5)
+    assert torch.equal(_gather(table, mixed)[-6:], table[:2, :3].reshape(-1, 4))  # a plain read stays exact
+
+
 def test_table_gather_op_on_a_complex_table_returns_exact_pairs():
     table = torch.randn(12, 5, dtype=torch.complex64)
     index = torch.tensor([[3], [0], [11], [-1]])
@@ -117,10 +185,21 @@ def test_table_gather_kernel_matches_the_reference(monkeypatch, dtype):
     table = torch.randn(50, 72, generator=generator).to(dtype)
     index = torch.randint(-1, 50, (33, 16), generator=generator)
     weight = torch.randn(33, 16, generator=generator)
-    expected = table_gather_reference(table, index, weight)
-    out = torch.ops.kimi_cg.table_gather(table.to(device), index.to(device), weight.to(device)).cpu()
     tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.02, "rtol": 0.02}
-    torch.testing.assert_close(out, expected, **tolerance)
+    for outer, index_dtype in ((0, torch.int64), (0, torch.int32), (4, torch.int32), (3, torch.int64)):
+        part = index if not outer else index[:, :outer + 4].clamp(max=24)  # pairs: sums stay in the table
+        expected = table_gather_reference(table, part.to(index_dtype), weight[:, :part.shape[1]], outer)
+        out = torch.ops.kimi_cg.table_gather(table.to(device), part.to(index_dtype).to(device),
+                                             weight[:, :part.shape[1]].to(device), outer).cpu()
+        torch.testing.assert_close(out, expected, **tolerance)
+        if outer:  # the reference's pairs are the listed terms' gather
+            rows = tr.TableRows(part.to(torch.int32).view(33, 1, -1), weight[:, :part.shape[1]].view(33, 1, -1),
+                                1, 72, outer)
+            listed = tr.listed_terms(rows)
+            assert torch.equal(expected, table_gather_reference(table, listed.index.view(33, -1),
+                                                                listed.weight.view(33, -1)))
+    with pytest.raises(ValueError, match="outer"):
+        torch.ops.kimi_cg.table_gather(table.to(device), index.to(device), weight.to(device), 16)
 
 
 GRIDS = [[[8, 6], [4, 4]], [[6, 10]], [[4, 8], [10, 6], [2, 2]], [[8, 6], [4, 4]], [[16, 14], [2, 4]]]
@@ -153,6 +232,7 @@ def test_reference_tower_reads_its_tables_on_the_device(options):
         expected, out = _run(model, compiled, GRIDS[0], 0)
         torch.testing.assert_close(_flat(out), _flat(expected), atol=1e-5, rtol=1e-5)
     assert kimi_cg.counters["table_gathers"] >= 2
+    assert kimi_cg.counters["table_gather_pairs"] >= 1  # the position grid's resize: 4 row by 4 column taps
     assert kimi_cg.counters["state_content_checks"] == 0  # no host program reads a table
 
 

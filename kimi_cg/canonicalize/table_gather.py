@@ -19,7 +19,9 @@ and one gather on the device that reads the table where it lives::
                                                      table_plan_weight(cat'))   # device
 
 The position grid's bicubic resize (``kimi_cg.bicubic_resize`` after SeparableResizePass) is such a
-read too, of 16 rows per output row. A chain qualifies when it starts at a module-state tensor of
+read too, of 16 rows per output row; of the table's own grid (its input made from the table alone, so
+evaluated here, at compile time, and found affine) it stays 4 row taps by 4 column taps
+(``table_bicubic_pairs``, the op's ``outer`` 4). A chain qualifies when it starts at a module-state tensor of
 static shape, reads it only through the ops of table_rows.py with the features kept whole, has a
 grid-dependent (per-item) shape somewhere, and leaves through one tensor [R, c..., D] that only
 feeds device work (through views). Anything else is left as it was: the host computes it as before.
@@ -42,11 +44,7 @@ from kimi_cg.counters import counters
 from kimi_cg.lift import activation_dependent_nodes
 from kimi_cg.runtime import table_rows as tr
 from kimi_cg.runtime.gather_plan import row_numel, row_size
-
-DEVICE_PLACEMENT = "kimi_cg_device"
-"""Node meta key: the lift puts the node in the device program whatever its inputs (lift.py)."""
-TABLE_ROWS = "kimi_cg_table_rows"
-"""Node meta key: a host node whose value is a TableRows stand-in (the per-item cache keeps it)."""
+from kimi_cg.runtime.table_rows import DEVICE_PLACEMENT, TABLE_ROWS
 
 _METHODS = {
     "view": tr.table_view, "reshape": tr.table_reshape, "permute": tr.table_permute, "transpose": tr.table_transpose,
@@ -131,6 +129,63 @@ def _axis_after(node: torch.fx.Node, axes: dict, feature: int) -> int:
             raise tr.NotATableRead("contiguous / clone with arguments")
         return axis
     raise tr.NotATableRead(f"{node.target} is not a table read")
+
+
+class _NotStatic(Exception):
+    pass
+
+
+def _static_read(node: torch.fx.Node, anchor: torch.fx.Node, feature: int, values: dict):
+    """The stand-in of a read made from the table alone (no per-item value on the way), evaluated now;
+    None for any other node."""
+    if node in values:
+        return values[node]
+    value = None
+    if node is anchor:
+        value = tr.table_source(tuple(example_value(anchor).shape[:-1]), feature)
+    elif _function(node) is not None and not _unbacked(node):
+        def evaluate(arg):
+            read = _static_read(arg, anchor, feature, values)
+            if read is None:
+                raise _NotStatic
+            return read
+
+        try:
+            args = torch.fx.node.map_arg(node.args, evaluate)
+            kwargs = torch.fx.node.map_arg(node.kwargs, evaluate)
+            value = _function(node)(*args, **kwargs)
+        except (_NotStatic, tr.NotATableRead, IndexError, TypeError, ValueError, RuntimeError):
+            value = None
+    values[node] = value
+    return value
+
+
+def _pair_bicubics(anchor: torch.fx.Node, feature: int, keep: list) -> dict:
+    """{bicubic node: (base, row_step, column_step)} for the resizes of the table's own grid."""
+    pairs, values = {}, {}
+    for node in keep:
+        if _function(node) is tr.table_bicubic and len(node.args) == 3 and not node.kwargs:
+            read = _static_read(node.args[0], anchor, feature, values)
+            steps = tr.affine_grid(read) if read is not None else None
+            if steps is not None:
+                pairs[node] = steps
+    return pairs
+
+
+def _plan_outer(keep: list, pairs: dict) -> dict:
+    """Each region node's ``outer`` as table_rows.py's functions will make it at run time."""
+    outer = {}
+    for node in keep:
+        function = _function(node)
+        if node in pairs:
+            outer[node] = 4
+        elif function is tr.table_cat:
+            outer[node] = tr.cat_outer(outer.get(t, 0) for t in node.args[0])
+        elif function is tr.table_bicubic:
+            outer[node] = 0
+        else:
+            outer[node] = outer.get(node.args[0], 0)
+    return outer
 
 
 def _unbacked(node: torch.fx.Node) -> bool:
@@ -252,7 +307,14 @@ class TableGatherPass(GraphPass):
             source = graph.call_function(tr.table_source, (leading, feature))
         source.meta[TABLE_ROWS] = True
         host = {anchor: source}
-        to_host = replay_before(graph, keep, host, _function, marks=(TABLE_ROWS,))
+        pairs = _pair_bicubics(anchor, feature, keep)
+        to_host = replay_before(graph, keep, host,
+                                lambda node: tr.table_bicubic_pairs if node in pairs else _function(node),
+                                marks=(TABLE_ROWS,))
+        for node, steps in pairs.items():
+            host[node].args = (*host[node].args, *steps)
+        counters["table_gather_pairs"] += len(pairs)
+        outer = _plan_outer(keep, pairs)[exit_node]
         kept = set(keep)
         for node in list(graph.nodes):  # sizes of the per-item reads are host values now
             if node.op == "call_function" and node.target in _SIZE_QUERIES and node.args and node.args[0] in kept:
@@ -269,7 +331,8 @@ class TableGatherPass(GraphPass):
         with graph.inserting_after(weight):
             flat = graph.call_method("reshape", (anchor, -1, feature)) if value.dim() != 2 else anchor
         with graph.inserting_after(flat):
-            gathered = graph.call_function(torch.ops.kimi_cg.table_gather.default, (flat, index, weight))
+            gathered = graph.call_function(torch.ops.kimi_cg.table_gather.default,
+                                           (flat, index, weight, outer) if outer else (flat, index, weight))
         gathered.meta[DEVICE_PLACEMENT] = True
         gathered.meta["stack_trace"] = exit_node.meta.get("stack_trace")
         cursor = gathered

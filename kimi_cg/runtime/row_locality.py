@@ -212,7 +212,7 @@ def _check(node, inputs, shapes: _Shapes, segment_inputs, group_indices=frozense
         return None if ok else "a gather plan made from rows"
     if name in ("kimi_cg.table_gather", "table_gather"):
         # NOTE [table gathers]: output row r reads plan row r (zeros in padding rows) and a table without rows.
-        ok = node.args[0] not in inputs and all(axes_in.get(arg) == [0] for arg in node.args[1:])
+        ok = node.args[0] not in inputs and all(axes_in.get(arg) == [0] for arg in node.args[1:3])
         return None if ok else "a table gather whose table has rows"
     tuple_out = not shapes.is_tensor(node)
     if not tuple_out:

@@ -17,6 +17,12 @@ The stand-in keeps the real tensor's dims, the feature dim held as size 1 (its p
 ``axis``), plus a trailing K dim of terms, so movement ops (permute, unsqueeze, squeeze, flatten,
 getitem, view/reshape, cat, repeat) apply to it almost unchanged. Anything that mixes features or
 is not a movement op is not a table read: the pass leaves such chains alone.
+
+Plans are int32 (a table has far fewer than 2**31 rows). A bicubic resize of the table's own grid
+(each row of the read is table row base + y * row_step + x * column_step, proven by the pass at
+compile time) keeps its 16 terms as pairs: 4 row taps and 4 column taps (``outer`` = 4), the
+device forming the 16 sums and weight products. Its plan is 8 integers and 8 weights per row
+instead of 16 and 16, and a new size costs two small tap tables instead of a 16-way gather.
 """
 
 from __future__ import annotations
@@ -30,16 +36,25 @@ import torch
 from kimi_cg.ops.resize import resize_taps_float64
 from kimi_cg.runtime.gather_plan import padded_terms
 
+DEVICE_PLACEMENT = "kimi_cg_device"
+"""Node meta key: the lift puts the node in the device program whatever its inputs (lift.py)."""
+TABLE_ROWS = "kimi_cg_table_rows"
+"""Node meta key: a host node whose value is a TableRows stand-in (the per-item cache keeps it)."""
+
 
 @dataclasses.dataclass(eq=False)
 class TableRows:
     """Host stand-in for a tensor read from a table: element [..., f, ...] (f at ``axis``) equals
     sum_k weight[..., k] * table_rows[index[..., k], f]; index -1 contributes nothing."""
 
-    index: torch.Tensor  # the real shape with the feature dim as 1, then K (int64)
+    index: torch.Tensor  # the real shape with the feature dim as 1, then K (int32)
     weight: torch.Tensor  # float32, the same shape (a bicubic's tap weights rounded once, from float64)
     axis: int
     dim: int
+    # 0: the K terms as listed. n > 0: the terms are the pairs (i, j) of the first n entries and the
+    # other K - n: table row index[i] + index[n + j], weight weight[i] * weight[n + j] (in float32);
+    # a pair with a -1 contributes nothing. The op ``kimi_cg.table_gather`` takes the same ``outer``.
+    outer: int = 0
 
     @property
     def ndim(self) -> int:
@@ -52,7 +67,18 @@ class TableRows:
         return tuple(shape)
 
     def map(self, fn, axis: int) -> "TableRows":
-        return TableRows(fn(self.index), fn(self.weight), axis, self.dim)
+        return TableRows(fn(self.index), fn(self.weight), axis, self.dim, self.outer)
+
+
+def listed_terms(rows: TableRows) -> TableRows:
+    """The same read with its terms listed (``outer`` 0): pairs become their sums and products."""
+    if not rows.outer:
+        return rows
+    n = rows.outer
+    first, second = rows.index[..., :n].unsqueeze(-1), rows.index[..., n:].unsqueeze(-2)
+    index = torch.where((first >= 0) & (second >= 0), first + second, -1).flatten(-2)
+    weight = (rows.weight[..., :n].unsqueeze(-1) * rows.weight[..., n:].unsqueeze(-2)).flatten(-2)
+    return TableRows(index, weight, rows.axis, rows.dim)
 
 
 class NotATableRead(Exception):
@@ -74,7 +100,7 @@ def table_source(leading: tuple[int, ...], dim: int) -> TableRows:
     """The stand-in of a [*leading, dim] table: row r is table row r. Cached and never written (every
     op below makes new tensors or views), so host programs share one per table shape."""
     count = math.prod(leading)
-    index = torch.arange(count, dtype=torch.int64).view(*leading, 1, 1)
+    index = torch.arange(count, dtype=torch.int32).view(*leading, 1, 1)
     return TableRows(index, torch.ones(index.shape, dtype=torch.float32), len(leading), dim)
 
 
@@ -230,10 +256,20 @@ def table_cat(tensors, dim: int = 0) -> TableRows:
         raise NotATableRead("cat of tensors that are not reads of one table alike")
     cat_check(first.ndim, first.axis, dim)
     dim = normalize_dim(dim, first.ndim)
-    terms = max(t.index.shape[-1] for t in tensors)
-    padded = [_pad_terms(t, terms) for t in tensors]
+    if first.outer and all(t.outer == first.outer and t.index.shape[-1] == first.index.shape[-1] for t in tensors):
+        padded, outer = tensors, first.outer  # pairs alike stay pairs (cat_outer: the pass's rule)
+    else:
+        listed = [listed_terms(t) for t in tensors]
+        terms = max(t.index.shape[-1] for t in listed)
+        padded, outer = [_pad_terms(t, terms) for t in listed], 0
     return TableRows(torch.cat([t.index for t in padded], dim=dim), torch.cat([t.weight for t in padded], dim=dim),
-                     first.axis, first.dim)
+                     first.axis, first.dim, outer)
+
+
+def cat_outer(outers) -> int:
+    """``outer`` of a cat of reads with these ``outer`` values (table_cat's rule; pairs always have 8 terms)."""
+    outers = set(outers)
+    return outers.pop() if len(outers) == 1 else 0
 
 
 def table_repeat(rows: TableRows, *sizes) -> TableRows:
@@ -250,6 +286,7 @@ def table_bicubic(rows: TableRows, height: int, width: int) -> TableRows:
     """``kimi_cg.bicubic_resize`` of an [N, C, H, W] read with the features on dim 1: each output
     element combines the 4 x 4 taps of its position (clamped taps repeat, their weights add)."""
     bicubic_check(rows.ndim, rows.axis)
+    rows = listed_terms(rows)
     n, _, in_h, in_w, terms = rows.index.shape
     rows_taps, rows_weights = _taps(in_h, int(height))
     cols_taps, cols_weights = _taps(in_w, int(width))
@@ -262,7 +299,7 @@ def table_bicubic(rows: TableRows, height: int, width: int) -> TableRows:
     flat_index = rows.index.reshape(n, in_h * in_w, terms)
     if n == 1 and terms == 1 and _reads_each_row_once(flat_index, rows.weight):
         # The table's own grid (a permuted view of the source): the taps are the plan (no gathers).
-        index = positions.view(1, -1, 1)
+        index = positions.view(1, -1, 1).to(torch.int32)
         weight = tap_weights.float()
     else:
         index = flat_index.index_select(1, positions)
@@ -278,18 +315,64 @@ def _reads_each_row_once(flat_index: torch.Tensor, weight: torch.Tensor) -> bool
 
 @functools.lru_cache(maxsize=16)
 def _arange(count: int) -> torch.Tensor:
-    return torch.arange(count, dtype=torch.int64)
+    return torch.arange(count, dtype=torch.int32)
+
+
+def affine_grid(rows: TableRows) -> tuple[int, int, int] | None:
+    """(base, row_step, column_step) when the [1, C, H, W] read (features on dim 1) reads table row
+    base + y * row_step + x * column_step at (y, x), once, with weight 1; else None. The pass asks this at
+    compile time of a read made from the table alone (its value never changes)."""
+    if rows.ndim != 4 or rows.axis != 1 or rows.outer or rows.index.shape[0] != 1 or rows.index.shape[-1] != 1:
+        return None
+    grid = rows.index.view(rows.index.shape[2], rows.index.shape[3]).long()
+    height, width = grid.shape
+    base = int(grid[0, 0])
+    row_step = int(grid[1, 0]) - base if height > 1 else 0
+    column_step = int(grid[0, 1]) - base if width > 1 else 0
+    expected = (base + torch.arange(height).view(-1, 1) * row_step + torch.arange(width).view(1, -1) * column_step)
+    if base < 0 or not torch.equal(grid, expected) or not bool((rows.weight == 1).all()):
+        return None
+    return base, row_step, column_step
+
+
+def table_bicubic_pairs(rows: TableRows, height: int, width: int, base: int, row_step: int,
+                        column_step: int) -> TableRows:
+    """table_bicubic of a read that ``affine_grid`` gave (base, row_step, column_step): each output row's
+    16 terms as 4 row taps and 4 column taps (``outer`` 4); table row base + row tap * row_step + column
+    tap * column_step, weight row weight * column weight."""
+    bicubic_check(rows.ndim, rows.axis)
+    _, _, in_h, in_w, _ = rows.index.shape  # affine_grid: one image
+    h, w = int(height), int(width)
+    rows_index, rows_weight = _pair_part(in_h, h, base, row_step)
+    cols_index, cols_weight = _pair_part(in_w, w, 0, column_step)
+
+    def pairs(by_row, by_column):
+        return torch.cat([by_row.view(h, 1, 4).expand(h, w, 4), by_column.view(1, w, 4).expand(h, w, 4)],
+                         dim=-1).view(1, 1, h, w, 8)
+
+    return TableRows(pairs(rows_index, cols_index), pairs(rows_weight, cols_weight), 1, rows.dim, 4)
+
+
+@functools.lru_cache(maxsize=1024)
+def _pair_part(in_size: int, out_size: int, base: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One axis of a pairs plan: its taps as table-row offsets (int32) and their weights (float32), [out, 4]."""
+    taps, weights = _taps(in_size, out_size)
+    return (base + taps * step).to(torch.int32), weights.float()
 
 
 def table_storage_offset(rows: TableRows) -> int:
-    # Only read by dynamo's `offset >= 0` checks: the offset a slice of the table would have.
-    index = rows.index
-    valid = index[index >= 0]
-    return int(valid.min()) * rows.dim if valid.numel() else 0
+    # Only read by dynamo's `offset >= 0` checks: the offset a slice of the table would have (for
+    # pairs a lower bound: the least first entry plus the least second one).
+    parts = [rows.index[..., :rows.outer], rows.index[..., rows.outer:]] if rows.outer else [rows.index]
+    least = 0
+    for part in parts:
+        valid = part[part >= 0]
+        least += int(valid.min()) if valid.numel() else 0
+    return least * rows.dim
 
 
 def table_plan_index(rows: TableRows) -> torch.Tensor:
-    """The gather's index [R, K] (int64) for a read whose features are its last dim."""
+    """The gather's index [R, K] (int32) for a read whose features are its last dim."""
     if rows.axis != rows.ndim - 1:
         raise NotATableRead("a table read that leaves its features off the last dim")
     return rows.index.reshape(-1, rows.index.shape[-1])
