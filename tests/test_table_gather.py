@@ -236,6 +236,24 @@ def test_reference_tower_reads_its_tables_on_the_device(options):
     assert kimi_cg.counters["state_content_checks"] == 0  # no host program reads a table
 
 
+@pytest.mark.parametrize("options", [{}, {"cuda_graphs": True, "token_budgets": [128, 512], "poison_graph_pool": True}])
+def test_video_tower_reads_its_tables_on_the_device(options):
+    """MoonViT3d (Kimi-K2.5): images and video chunks; its RoPE rows per frame are a table read."""
+    from kimi_cg.models import MoonViT3dConfig, MoonViT3dPretrainedModel
+
+    torch.manual_seed(0)
+    kimi_cg.reset()
+    model = MoonViT3dPretrainedModel(MoonViT3dConfig.tiny()).eval()
+    compiled = torch.compile(model, backend="kimi_cg", options={"strict": True, "table_gathers": True, **options})
+    grids = [[[1, 8, 6], [1, 4, 4]], [[3, 4, 6]], [[1, 6, 10], [2, 4, 8]], [[1, 8, 6], [1, 4, 4]], [[4, 2, 2]]]
+    with torch.no_grad():
+        for seed, grid in enumerate(grids):
+            grid = torch.tensor(grid)
+            x = torch.randn(int(grid.prod(-1).sum()), 3, 14, 14, generator=torch.Generator().manual_seed(seed))
+            torch.testing.assert_close(_flat(compiled(x, grid)), _flat(model(x, grid)), atol=1e-5, rtol=1e-5)
+    assert kimi_cg.counters["table_gathers"] >= 1
+
+
 def test_the_option_off_computes_the_tables_on_the_host():
     torch.manual_seed(0)
     kimi_cg.reset()
