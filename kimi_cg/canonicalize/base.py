@@ -47,7 +47,7 @@ class GraphPass:
 def replay_before(graph: torch.fx.Graph, nodes, replaced: dict, function_of, marks: tuple[str, ...] = ()):
     """Before each of ``nodes``, a call of ``function_of(node)`` on the node's arguments with the nodes
     already in ``replaced`` swapped for their replacements (a region replayed on a host stand-in);
-    ``replaced`` gains each node's call, which carries the node's stack trace and the meta ``marks``.
+    ``replaced`` gains each node's call, which keeps the node's stack trace and the meta ``marks``.
     Returns the argument mapping, for the region's other users."""
 
     def swap(arg):
