@@ -112,8 +112,8 @@ class KimiCGConfig:
     sliced per image) run on the device as one gather of the table with a plan the host makes from
     the grid's integers (NOTE [table gathers] in runtime/table_rows.py): no call checks those tables'
     content, repeated sizes and warm-up cost less, but a batch of new sizes builds its plans on the host
-    CPU (on an H100 host, 2026-12-06, with the resize as 4 row by 4 column taps: W4 fresh +0.7 ms,
-    repeat -0.2 ms). Off by default: the host computes the tables' per-item values on the device."""
+    CPU (on an H100 host, 2026-12-06, with the resize as 4 row by 4 column taps, three runs: W4 fresh
+    +0.4 ms, repeat -0.2 to -0.8 ms, W1 -0.15 ms). Off by default: the host computes the tables' per-item values on the device."""
 
     poison_graph_pool: bool = False
     """Testing aid: fill the CUDA-graph memory pool with NaN before capturing, so that any read of
