@@ -30,7 +30,8 @@ from kimi_cg.runtime import table_rows as tr
 def _gather(table: torch.Tensor, rows: tr.TableRows) -> torch.Tensor:
     """What the device computes for a read whose features are its last dim, in the read's shape."""
     flat = table.reshape(-1, table.shape[-1])
-    out = table_gather_reference(flat, tr.table_plan_index(rows), tr.table_plan_weight(rows), rows.outer)
+    out = table_gather_reference(flat, tr.table_plan_index(rows, rows.outer), tr.table_plan_weight(rows, rows.outer),
+                                 rows.outer)
     return out.view(rows.shape)
 
 
@@ -128,6 +129,10 @@ def test_bicubic_pairs_of_the_own_grid_equal_interpolate_and_the_listed_plan(in_
     assert torch.equal(_gather(table, listed), _gather(table, flat(pairs)))
     dense = tr.table_bicubic(rows, h, w)
     assert torch.equal(tr.listed_terms(pairs).index, dense.index)
+    # a gather built for listed terms gets them; one built for pairs never gets a listed plan
+    assert torch.equal(tr.table_plan_index(flat(pairs), 0), tr.table_plan_index(listed))
+    with pytest.raises(tr.NotATableRead, match="outer"):
+        tr.table_plan_index(listed, 4)
 
 
 def test_affine_grid_finds_the_steps_of_a_grid_read_and_refuses_others():

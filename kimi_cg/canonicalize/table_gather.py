@@ -325,9 +325,9 @@ class TableGatherPass(GraphPass):
 
         shape = tuple(example_value(exit_node).shape)
         with graph.inserting_after(host[exit_node]):
-            index = graph.call_function(tr.table_plan_index, (host[exit_node],))
+            index = graph.call_function(tr.table_plan_index, (host[exit_node], outer))
         with graph.inserting_after(index):
-            weight = graph.call_function(tr.table_plan_weight, (host[exit_node],))
+            weight = graph.call_function(tr.table_plan_weight, (host[exit_node], outer))
         with graph.inserting_after(weight):
             flat = graph.call_method("reshape", (anchor, -1, feature)) if value.dim() != 2 else anchor
         with graph.inserting_after(flat):

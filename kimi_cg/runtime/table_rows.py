@@ -371,12 +371,24 @@ def table_storage_offset(rows: TableRows) -> int:
     return least * rows.dim
 
 
-def table_plan_index(rows: TableRows) -> torch.Tensor:
+def _as_planned(rows: TableRows, outer: int) -> TableRows:
+    """The read in the ``outer`` form the device program's gather was built for (the pass derives it at
+    compile time with table_rows.py's rules): listed terms can always be made; pairs cannot be invented."""
+    if rows.outer == outer:
+        return rows
+    if outer == 0:
+        return listed_terms(rows)
+    raise NotATableRead(f"a plan of outer {rows.outer} for a gather built for outer {outer}")
+
+
+def table_plan_index(rows: TableRows, outer: int = 0) -> torch.Tensor:
     """The gather's index [R, K] (int32) for a read whose features are its last dim."""
     if rows.axis != rows.ndim - 1:
         raise NotATableRead("a table read that leaves its features off the last dim")
+    rows = _as_planned(rows, outer)
     return rows.index.reshape(-1, rows.index.shape[-1])
 
 
-def table_plan_weight(rows: TableRows) -> torch.Tensor:
+def table_plan_weight(rows: TableRows, outer: int = 0) -> torch.Tensor:
+    rows = _as_planned(rows, outer)
     return rows.weight.reshape(-1, rows.weight.shape[-1])
