@@ -220,12 +220,20 @@ def _flat(value):
     return value if isinstance(value, torch.Tensor) else torch.cat([v.reshape(-1, v.shape[-1]) for v in value])
 
 
-@pytest.mark.parametrize("options", [{}, {"cuda_graphs": True, "token_budgets": [128, 512], "poison_graph_pool": True}])
-def test_reference_tower_reads_its_tables_on_the_device(options):
+# the plain program, and the padded bucket path in a NaN-poisoned pool
+PATHS = [{}, {"cuda_graphs": True, "token_budgets": [128, 512], "poison_graph_pool": True}]
+
+
+def _with_table_gathers(model, options):
     torch.manual_seed(0)
     kimi_cg.reset()
-    model = MoonVitPretrainedModel(MoonVitConfig.tiny()).eval()
-    compiled = torch.compile(model, backend="kimi_cg", options={"strict": True, "table_gathers": True, **options})
+    model = model().eval()
+    return model, torch.compile(model, backend="kimi_cg", options={"strict": True, "table_gathers": True, **options})
+
+
+@pytest.mark.parametrize("options", PATHS)
+def test_reference_tower_reads_its_tables_on_the_device(options):
+    model, compiled = _with_table_gathers(lambda: MoonVitPretrainedModel(MoonVitConfig.tiny()), options)
     with torch.no_grad():
         for seed, grid in enumerate(GRIDS):
             expected, out = _run(model, compiled, grid, seed)
@@ -241,21 +249,17 @@ def test_reference_tower_reads_its_tables_on_the_device(options):
     assert kimi_cg.counters["state_content_checks"] == 0  # no host program reads a table
 
 
-@pytest.mark.parametrize("options", [{}, {"cuda_graphs": True, "token_budgets": [128, 512], "poison_graph_pool": True}])
+@pytest.mark.parametrize("options", PATHS)
 def test_video_tower_reads_its_tables_on_the_device(options):
     """MoonViT3d (Kimi-K2.5): images and video chunks; its RoPE rows per frame are a table read."""
     from kimi_cg.models import MoonViT3dConfig, MoonViT3dPretrainedModel
 
-    torch.manual_seed(0)
-    kimi_cg.reset()
-    model = MoonViT3dPretrainedModel(MoonViT3dConfig.tiny()).eval()
-    compiled = torch.compile(model, backend="kimi_cg", options={"strict": True, "table_gathers": True, **options})
+    model, compiled = _with_table_gathers(lambda: MoonViT3dPretrainedModel(MoonViT3dConfig.tiny()), options)
     grids = [[[1, 8, 6], [1, 4, 4]], [[3, 4, 6]], [[1, 6, 10], [2, 4, 8]], [[1, 8, 6], [1, 4, 4]], [[4, 2, 2]]]
     with torch.no_grad():
         for seed, grid in enumerate(grids):
-            grid = torch.tensor(grid)
-            x = torch.randn(int(grid.prod(-1).sum()), 3, 14, 14, generator=torch.Generator().manual_seed(seed))
-            torch.testing.assert_close(_flat(compiled(x, grid)), _flat(model(x, grid)), atol=1e-5, rtol=1e-5)
+            expected, out = _run(model, compiled, grid, seed)
+            torch.testing.assert_close(_flat(out), _flat(expected), atol=1e-5, rtol=1e-5)
     assert kimi_cg.counters["table_gathers"] >= 1
 
 

@@ -70,7 +70,6 @@ def table_gather(table: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
         return table_gather_reference(table, index, weight, outer)
     from kimi_cg.kernels.merge_gather import merge_gather as merge_gather_triton
 
-    _check_outer(index, outer)
     out = merge_gather_triton(_real_rows(table), index, weight, outer=outer)
     return out.view(index.shape[0], table.shape[1], 2) if table.is_complex() else out
 
