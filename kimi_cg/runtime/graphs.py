@@ -794,7 +794,7 @@ class BucketedGraphs:
         A host-made CPU tensor copied to the device from pageable memory blocks the host until the
         copy is done, and the copy waits for the work queued before it: the host cannot run ahead of
         the device (a split call's second fill waits for the first part's replay). Large ones (the
-        table-gather plans, NOTE [table gathers]: 192 bytes per row) go through one pinned buffer per
+        table-gather plans, NOTE [table gathers]: 64 bytes per resized row) go through one pinned buffer per
         input instead: a host memcpy, then an asynchronous copy. The buffer is rewritten only after
         the previous call's copies out of it finished (an event; fills are serialised per graph set)."""
         if self._staging_done is not None:
