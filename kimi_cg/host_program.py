@@ -58,6 +58,8 @@ def _forget_batches(serial: int, keys: collections.OrderedDict, lock: threading.
 
 def _input_key(value):
     """How one input of an item value enters its cache key."""
+    if type(value) is int:  # noqa: E721 - the common case (a grid integer) first; bool is not int here
+        return value
     if isinstance(value, torch.Tensor):
         return ("tensor", state_tokens.current(value))
     if isinstance(value, (int, float, bool, str, type(None))):
@@ -82,7 +84,7 @@ class ItemValue(torch.nn.Module):
             counters["metadata_cache_hits"] += 1
             return value
         counters["metadata_cache_misses"] += 1
-        value = self.gm(*inputs)
+        value = self.gm.forward(*inputs)  # the generated code itself: a GraphModule's call adds only hooks' overhead
         metadata_store.put(key, value, self.owner, self.share)
         return value
 

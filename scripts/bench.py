@@ -13,7 +13,8 @@ Workloads (fixed seeds):
   is W4 on MoonViT3d with 20% video chunks (t in 2..4); W5 is a fresh stream of 1-2 small images
   (h, w even in [4, 24]: below the smallest default bucket) after its own 3-request warm-up. A pass
   stops once --stream-budget-s is spent (torch.compile recompiles for minutes) and its result says
-  "truncated".
+  "truncated". With --pipelined, W4_pipelined calls another stream of mostly new sizes back to back,
+  then again, synchronised only around each pass (a serving loop's throughput, not a latency).
 Times are wall-clock per call with CUDA synchronisation before and after (end to end, host pass
 included). For kimi_cg, W1 also reports replay-only time (CUDA events around graph.replay()) and
 host overhead (end to end minus replay) and a cProfile of its host side. The torch.compile systems
@@ -324,6 +325,19 @@ def timed_pass(system, prepared, grids, budget_s: float, stalls: list, replays: 
     return times
 
 
+def pipelined_ms(system, prepared) -> float:
+    """Milliseconds per request over `prepared` called back to back, synchronised only before and after
+    (a serving loop that hands each output on without waiting for it): a system whose calls never wait
+    for the device overlaps one request's host work with the device work of the one before."""
+    synchronize()
+    start = time.perf_counter()
+    with torch.no_grad():
+        for args in prepared:
+            system(*args)
+    synchronize()
+    return (time.perf_counter() - start) * 1e3 / len(prepared)
+
+
 def device_profile(system, requests: list, top: int = 12) -> dict:
     """torch.profiler over warm calls of `requests` (a list of argument tuples): GPU kernel time per
     request (kernels inside graph replays included), the wall time it took, and the kernels that
@@ -399,6 +413,9 @@ def main() -> None:
                         help="call kimi_cg.warm_up (item counts 1..8) before anything else; its cost goes to extras")
     parser.add_argument("--replay-breakdown", action="store_true",
                         help="CUDA events around every graph replay: W4 results split into replay and the rest")
+    parser.add_argument("--pipelined", action="store_true",
+                        help="after W4, W4_pipelined: a stream of new sizes called back to back, then again "
+                             "(ms per request, synchronised only around each pass; pipelined_ms)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="after W4 (and W4_3d), torch.profiler over N of its requests per system: GPU kernel time and top kernels")
     parser.add_argument("--attn-implementation", default=None, choices=["flash_attention_2", "sdpa"],
@@ -526,6 +543,14 @@ def main() -> None:
                 summary = stream_summary(run, "first", len(stream), len(warm_stream))
                 record("W4", name, with_warm_up(summary, name, f"{name}_warm_up"))
                 record("W4_repeat", name, stream_summary(run, "second", len(stream), len(warm_stream)))
+                if args.pipelined:
+                    # another seed: mostly sizes this system has not seen, then the same requests again
+                    fresh = [make_inputs(grid, 8000 + i) for i, grid in enumerate(request_stream(8, args.requests))]
+                    before = compile_count(name, system)
+                    record("W4_pipelined", name, {"new_sizes_ms_per_request": pipelined_ms(system, fresh),
+                                                  "repeat_ms_per_request": pipelined_ms(system, fresh),
+                                                  "requests": len(fresh), "compiles": compile_count(name, system) - before})
+                    del fresh
             if "W5" in workloads:
                 # its own warm-up: one and two items, the first count again (its dynamic trace)
                 run = run_stream(system, lambda: compile_count(name, system), [[[8, 8]], [[6, 10], [4, 4]], [[10, 6]]],

@@ -304,19 +304,30 @@ def test_the_graph_that_builds_the_rope_table_runs_once_without_buckets():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned staging needs CUDA")
 def test_plans_staged_through_pinned_memory_on_cuda(monkeypatch):
-    """NOTE [pinned staging]: plans of 512+ rows go to the device through a pinned buffer, also for a
-    split call (the second part's fill reuses the buffer after the first part's copy); equal to eager."""
+    """NOTE [pinned staging]: plans of 64 KB or more (2,048+ rows of pairs) go to the device through the
+    runner's pinned slots, also for a split call and for calls queued back to back without a sync
+    (each slot is rewritten only after its copy finished); equal to eager."""
+    from kimi_cg.runtime.runner import live_runners
+
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     torch.manual_seed(0)
     kimi_cg.reset()
     model = MoonVitPretrainedModel(MoonVitConfig.tiny()).cuda().eval()
-    compiled = torch.compile(model, backend="kimi_cg", options={"strict": True, "token_budgets": [256, 1024],
+    before = set(live_runners())
+    compiled = torch.compile(model, backend="kimi_cg", options={"strict": True, "token_budgets": [256, 1024, 4096],
                                                                 "poison_graph_pool": True, "table_gathers": True})
-    grids = [[[24, 28]], [[24, 28]], [[20, 30], [28, 26]], [[16, 16]], [[26, 30], [30, 26], [8, 8]], [[24, 28]]]
+    grids = [[[48, 48]], [[48, 48]], [[20, 30], [28, 26]], [[16, 16]], [[46, 50], [30, 26], [8, 8]], [[64, 60]],
+             [[50, 46]], [[48, 48], [24, 28]]]
+    inputs = []
+    for seed, grid in enumerate(grids):
+        grid = torch.tensor(grid)
+        inputs.append((torch.randn(int(grid.prod(-1).sum()), 3, 14, 14,
+                                   generator=torch.Generator().manual_seed(seed)).cuda(), grid))
     with torch.no_grad():
-        for seed, grid in enumerate(grids):
-            grid = torch.tensor(grid)
-            x = torch.randn(int(grid.prod(-1).sum()), 3, 14, 14, generator=torch.Generator().manual_seed(seed)).cuda()
-            expected, out = model(x, grid), compiled(x, grid)
-            torch.testing.assert_close(_flat(out), _flat(expected), atol=1e-5, rtol=1e-5)
+        expected = [model(*args) for args in inputs]
+        for _ in range(2):  # the second time back to back: nothing waits for the device between calls
+            outs = [compiled(*args) for args in inputs]
+            for out, want in zip(outs, expected):
+                torch.testing.assert_close(_flat(out), _flat(want), atol=1e-5, rtol=1e-5)
     assert kimi_cg.counters["table_gathers"] >= 2 and kimi_cg.counters["call_fallbacks"] == 0
+    assert sum(r.staging.staged_copies for r in live_runners() if r not in before) > 0

@@ -100,7 +100,6 @@ logger = logging.getLogger(__name__)
 _MERGE_GATHER = torch.ops.kimi_cg.merge_gather
 _MERGE_GATHER_LAYERNORM = torch.ops.kimi_cg.merge_gather_layernorm
 _TABLE_GATHER = torch.ops.kimi_cg.table_gather
-_STAGED_BYTES = 1 << 16  # NOTE [pinned staging]: smaller copies the driver stages without blocking
 _VARLEN_ATTENTION = torch.ops.kimi_cg.varlen_attention
 # NOTE [segment tables]: a dense table holds a segment per this many rows of its bucket (window
 # attention's edge windows are smaller; a call of such windows picks a larger bucket); padding rows
@@ -450,8 +449,6 @@ class BucketedGraphs:
         self.max_segments = max_items + 1  # real segments plus the trailing padding segment
         self.dense_tables: set[int] = set()  # positions of boundary inputs with dense tables (NOTE [segment tables])
         self.max_frames = max_frames
-        self._staging: dict[int, torch.Tensor] = {}  # NOTE [pinned staging]
-        self._staging_done: torch.cuda.Event | None = None
         self.capture = capture
         self.on_cuda = capture  # capture is asked for exactly when the activations are on CUDA
         self.poison_pool = poison_pool
@@ -789,37 +786,12 @@ class BucketedGraphs:
     def _device(self, inputs) -> torch.device:
         return inputs[self.row_dims[0][0]].device
 
-    def _staged(self, position: int, value: torch.Tensor) -> torch.Tensor:
-        """NOTE [pinned staging]
-        A host-made CPU tensor copied to the device from pageable memory blocks the host until the
-        copy is done, and the copy waits for the work queued before it: the host cannot run ahead of
-        the device (a split call's second fill waits for the first part's replay). Large ones (the
-        table-gather plans, NOTE [table gathers]: 64 bytes per resized row) go through one pinned buffer per
-        input instead: a host memcpy, then an asynchronous copy. The buffer is rewritten only after
-        the previous call's copies out of it finished (an event; fills are serialised per graph set)."""
-        if self._staging_done is not None:
-            self._staging_done.synchronize()
-            self._staging_done = None
-        buffer = self._staging.get(position)
-        if buffer is None or buffer.numel() < value.numel() or buffer.dtype != value.dtype:
-            per_row = value[:1].numel() if value.dim() and value.shape[0] else value.numel()
-            size = max(value.numel(), max(self.capacities) * per_row)
-            buffer = torch.empty(size, dtype=value.dtype, pin_memory=True)
-            self._staging[position] = buffer
-        stage = buffer[:value.numel()].view(value.shape)
-        stage.copy_(value)
-        return stage
-
     def _fill(self, bucket: _Bucket, inputs) -> None:
         capacity = bucket.capacity
-        staged = False
         for i, rule in self.padded:
             static, value = bucket.inputs[i], inputs[i]
             if rule.kind == "rows":
                 rows = value.shape[rule.dim]
-                if (value.device.type == "cpu" and static.is_cuda and rule.dim == 0
-                        and value.numel() * value.element_size() >= _STAGED_BYTES):
-                    value, staged = self._staged(i, value), True
                 static.narrow(rule.dim, 0, rows).copy_(value, non_blocking=True)
                 static.narrow(rule.dim, rows, capacity - rows).zero_()
             elif rule.kind == "fixed":
@@ -841,9 +813,6 @@ class BucketedGraphs:
                 static[:rows, :frames].copy_(value, non_blocking=True)
                 static[:rows, frames:].fill_(-1 if rule.kind == "plan_index" else 0)
                 static[rows:].fill_(-1 if rule.kind == "plan_index" else 0)
-        if staged:
-            self._staging_done = torch.cuda.Event()
-            self._staging_done.record()
 
     # -- capture and replay -----------------------------------------------------------------------
     def prepare(self, inputs) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import os
 import threading
 from typing import Any
@@ -45,12 +46,17 @@ def _storages(value) -> dict:
         item = stack.pop()
         if isinstance(item, torch.Tensor):
             storage = item.untyped_storage()
-            found[(str(item.device), storage.data_ptr())] = storage.nbytes()
+            found[(item.device, storage.data_ptr())] = storage.nbytes()
         elif isinstance(item, (tuple, list)):
             stack.extend(item)
         elif dataclasses.is_dataclass(item) and not isinstance(item, type):  # a host stand-in (TableRows)
-            stack.extend(getattr(item, field.name) for field in dataclasses.fields(item))
+            stack.extend(getattr(item, name) for name in _field_names(type(item)))
     return found
+
+
+@functools.lru_cache(maxsize=None)
+def _field_names(kind: type) -> tuple[str, ...]:
+    return tuple(field.name for field in dataclasses.fields(kind))
 
 
 BATCH_FRACTION = 0.5
@@ -105,9 +111,10 @@ class MetadataStore:
         its pool and the process budget."""
         storages = _storages(value)
         size = sum(storages.values())
-        by_device = collections.Counter()
+        by_device = {}
         for (device, _), nbytes in storages.items():
-            by_device[device] += nbytes
+            device = str(device)
+            by_device[device] = by_device.get(device, 0) + nbytes
         with self._lock:
             share = min(share, self.budget)
             limits = {("process",): self.budget, ("owner", owner): share}
@@ -117,7 +124,7 @@ class MetadataStore:
             if size > min(limits.values()):
                 return
             self._remove(key)
-            entry = _Entry(value, tuple(limits), size, dict(by_device))
+            entry = _Entry(value, tuple(limits), size, by_device)
             self._entries[key] = entry
             for group, limit in limits.items():
                 self._limits[group] = limit
