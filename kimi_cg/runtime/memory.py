@@ -220,11 +220,12 @@ def memory_report() -> dict:
     """What kimi_cg holds, in bytes where it lives (NOTE [metadata memory budget]):
     ``metadata`` (the budgeted store: budget, bytes, entries, evictions, by_device, by_owner),
     ``state_snapshots`` (NOTE [state tokens]), ``graphs`` (graph sets, buckets, captured-graph
-    memory and static buffers), ``programs`` (device programs and their cached output sizes) and
-    ``resize_matrices``."""
+    memory and static buffers), ``programs`` (device programs and their cached output sizes),
+    ``resize_matrices`` and ``pinned_staging`` (NOTE [pinned staging])."""
     from kimi_cg import device_program
     from kimi_cg.ops import resize
     from kimi_cg.runtime.graphs import graph_sets
+    from kimi_cg.runtime.staging import pinned_staging
     from kimi_cg.runtime.state_tokens import state_tokens
 
     sets = graph_sets()
@@ -243,4 +244,5 @@ def memory_report() -> dict:
         "programs": {"device_programs": len(programs),
                      "output_size_entries": sum(len(p.output_shapes_by_signature) for p in programs)},
         "resize_matrices": resize.matrix_cache_report(),
+        "pinned_staging": pinned_staging.report(),
     }

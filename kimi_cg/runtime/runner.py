@@ -19,7 +19,7 @@ from kimi_cg.device_program import DeviceProgram
 from kimi_cg.host_program import HostProgram
 from kimi_cg.lift import LiftedGraph, ValueRef
 from kimi_cg.runtime.graphs import BucketedGraphs
-from kimi_cg.runtime.staging import PinnedStaging
+from kimi_cg.runtime.staging import pinned_staging
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,6 @@ class LiftedRunner:
             raise ValueError("device program inputs come from the call, the host program or literals")
         self.device_plan = [(ref.program, ref.index) for ref in self.device_refs]
         self.host_positions = [i for i, ref in enumerate(self.device_refs) if ref.program == "host"]
-        self.staging = PinnedStaging()  # host-made tensors to the GPU (NOTE [pinned staging])
         self.post_refs = lifted.post.inputs
         self.output_refs = lifted.outputs
         self.graphs_for = graphs_for  # device inputs -> BucketedGraphs (shared by equal programs)
@@ -201,7 +200,7 @@ class LiftedRunner:
                 if isinstance(value, torch.Tensor) and value.device != target:
                     host_side[position] = value
             if host_side:
-                moved = (self.staging.move(host_side, target) if target.type == "cuda"  # NOTE [pinned staging]
+                moved = (pinned_staging.move(host_side, target) if target.type == "cuda"  # NOTE [pinned staging]
                          else {position: value.to(target) for position, value in host_side.items()})
                 for position, value in moved.items():
                     device_args[position] = value
