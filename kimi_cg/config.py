@@ -107,13 +107,14 @@ class KimiCGConfig:
     with bias and GELU in its epilogue, in bf16 / fp16 (NOTE [linear + GELU epilogue] in
     canonicalize/linear_gelu.py). False keeps the linear and the GELU as written."""
 
-    table_gathers: bool = False
+    table_gathers: bool = True
     """Per-item reads of a module-state table (MoonViT's position grid resized per image, its RoPE table
     sliced per image) run on the device as one gather of the table with a plan the host makes from
     the grid's integers (NOTE [table gathers] in runtime/table_rows.py): no call checks those tables'
-    content, repeated sizes and warm-up cost less, but a batch of new sizes builds its plans on the host
-    CPU (on an H100 host, 2026-12-06, with the resize as 4 row by 4 column taps, three runs: W4 fresh
-    +0.4 ms, repeat -0.2 to -0.8 ms, W1 -0.15 ms). Off by default: the host computes the tables' per-item values on the device."""
+    content (no host sync), so a serving loop's host work overlaps the device's. On an H100 host
+    (2026-12-06, b7cb732): W1 -0.14 ms, W4 new sizes even, repeated sizes -0.9 ms, W4 back to back
+    21.4 against 23.4 ms per request. False: the host computes the tables' per-item values on the
+    device and checks the tables' content every call (NOTE [state tokens])."""
 
     poison_graph_pool: bool = False
     """Testing aid: fill the CUDA-graph memory pool with NaN before capturing, so that any read of

@@ -423,9 +423,11 @@ def test_lift_report_gives_reasons_padding_rules_and_the_cached_item_code(served
     items = [node for node in report["host_nodes"] if node["target"] == "item"]
     assert items and all(node["depends_on"] == "L['grid_hws']" for node in items)
     assert any("grid_hws.tolist()" in node["source"] for node in items)
-    # The per-item subgraphs (interpolated position embeddings among them) are printed after the host program.
+    # The per-item subgraphs (the position grid's resize among them: with table gathers, the default, its
+    # plan as row and column taps) are printed after the host program.
     host = (Path(graph["path"]) / "host_program.py").read_text()
-    assert "computed once per item size" in host and "bicubic_resize" in host.split("computed once per item size", 1)[1]
+    assert "computed once per item size" in host
+    assert "table_bicubic_pairs" in host.split("computed once per item size", 1)[1]
 
 
 def test_a_failing_report_writer_never_changes_what_runs(tmp_path, monkeypatch, caplog):
