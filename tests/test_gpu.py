@@ -38,7 +38,7 @@ CASES = [
     ("moonvit3d", "tiny", 300),
     ("moonvit", "real", 48),
     ("moonvit3d", "real", 48),
-    ("moonvit", "real-table-gathers", 48),  # NOTE [table gathers]: the option on (off by default)
+    ("moonvit", "real-host-tables", 48),  # NOTE [table gathers] off: the host computes the tables' values
 ]
 
 
@@ -74,7 +74,7 @@ def test_graph_replays_match_eager_bf16(tower, size, count):
     config = config_class.tiny() if size == "tiny" else config_class()
     reference = model_class(config).cuda().eval()  # fp32
     model = copy.deepcopy(reference).to(torch.bfloat16)
-    options = {"poison_graph_pool": True, "table_gathers": size.endswith("table-gathers")}
+    options = {"poison_graph_pool": True, "table_gathers": not size.endswith("host-tables")}
     if size == "tiny":
         options["token_budgets"] = [512, 1024, 2048, 4096, 8192]
     compiled = torch.compile(model, backend="kimi_cg", options=options)  # one compiled model for all examples
@@ -99,8 +99,12 @@ def test_graph_replays_match_eager_bf16(tower, size, count):
     assert counters["dynamo_graphs"] == warm["dynamo_graphs"]  # warm_up traced every count 1..8: no retrace
     assert counters["device_programs_compiled"] == warm["device_programs_compiled"]  # none after warm-up
     assert counters.get("graph_replays", 0) > 0
-    if options["table_gathers"]:  # the position grid's resize gathered as 4 row by 4 column taps
+    if options["table_gathers"] and not video:  # the position grid's resize gathered as 4 row by 4 column taps
         assert counters.get("table_gather_pairs", 0) > 0 and counters.get("table_gathers", 0) >= 2, counters
+    elif options["table_gathers"]:  # MoonViT3d: its RoPE table (its position term is not a table read)
+        assert counters.get("table_gathers", 0) >= 1, counters
+    else:
+        assert counters.get("table_gathers", 0) == 0, counters
     # NOTE [segment-length classes]: bounded graphs were made and replayed, in the poisoned pool.
     assert counters.get("length_class_replays", 0) > 0 and counters.get("length_class_failures", 0) == 0, counters
     _record(f"{tower}-{size}", report, counters,
