@@ -252,7 +252,12 @@ def _varlen_attention_on_a_path(q, k, v, cu_seqlens, max_seqlen, scale):
     if prefers_work_list(q.shape[0], cu_seqlens.numel() - 1):  # NOTE [work list or flash]
         return varlen_attention_work_list(q, k, v, cu_seqlens, scale)
     if q.dtype not in (torch.float16, torch.bfloat16):
-        # Flash kernels take fp16/bf16 only; fp32 on CUDA runs masked SDPA (capturable).
+        # Flash kernels take fp16/bf16 only. fp32 on CUDA with the bounds on the host and nothing being
+        # captured (an eager fp32 tower, a test's reference) runs segment by segment: SDPA's memory-efficient
+        # kernel, no [L, L] mask (a 20,736-row video batch needed 25.6 GiB masked). Otherwise masked SDPA
+        # (capturable; a path for references and tests).
+        if cu_seqlens.device.type == "cpu" and not torch.cuda.is_current_stream_capturing():
+            return varlen_attention_reference(q, k, v, cu_seqlens, scale)
         return varlen_attention_masked(q, k, v, cu_seqlens, scale)
     check_varlen_inputs(q, k, v, cu_seqlens)
     dense = _dense_cudnn(q, k, v, cu_seqlens, scale)  # NOTE [one segment on cuDNN]
