@@ -56,9 +56,12 @@ def check_varlen_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_se
 
 
 def varlen_attention_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float | None = None,
+    fused: bool = False,
 ) -> torch.Tensor:
-    """Per-segment softmax attention, computed segment by segment with SDPA (the CPU path)."""
+    """Per-segment softmax attention, computed segment by segment with SDPA (the CPU path). ``fused``:
+    each segment as a batch of one ([1, H, n, Dh]: SDPA's fused kernels take 4-D inputs only), so CUDA
+    runs fp32 on its memory-efficient kernel instead of materialising [H, n, n] scores."""
     check_varlen_inputs(q, k, v, cu_seqlens)
     bounds = cu_seqlens.tolist()
     if bounds[0] != 0 or bounds[-1] != q.shape[0] or any(b < a for a, b in zip(bounds, bounds[1:])):
@@ -70,10 +73,11 @@ def varlen_attention_reference(
         if end == start:
             continue
         # [n, H, Dh] -> [H, n, Dh] for SDPA, and back.
-        segment = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1), k[start:end].transpose(0, 1), v[start:end].transpose(0, 1), scale=scale
-        )
-        out[start:end] = segment.transpose(0, 1)
+        inputs = [t[start:end].transpose(0, 1) for t in (q, k, v)]
+        if fused:
+            inputs = [t.unsqueeze(0) for t in inputs]
+        segment = F.scaled_dot_product_attention(*inputs, scale=scale)
+        out[start:end] = (segment[0] if fused else segment).transpose(0, 1)
     return out
 
 
@@ -257,7 +261,7 @@ def _varlen_attention_on_a_path(q, k, v, cu_seqlens, max_seqlen, scale):
         # kernel, no [L, L] mask (a 20,736-row video batch needed 25.6 GiB masked). Otherwise masked SDPA
         # (capturable; a path for references and tests).
         if cu_seqlens.device.type == "cpu" and not torch.cuda.is_current_stream_capturing():
-            return varlen_attention_reference(q, k, v, cu_seqlens, scale)
+            return varlen_attention_reference(q, k, v, cu_seqlens, scale, fused=True)
         return varlen_attention_masked(q, k, v, cu_seqlens, scale)
     check_varlen_inputs(q, k, v, cu_seqlens)
     dense = _dense_cudnn(q, k, v, cu_seqlens, scale)  # NOTE [one segment on cuDNN]
