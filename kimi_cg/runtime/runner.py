@@ -201,7 +201,7 @@ class LiftedRunner:
                     host_side[position] = value
             if host_side:
                 moved = (pinned_staging.move(host_side, target) if target.type == "cuda"  # NOTE [pinned staging]
-                         else {position: value.to(target) for position, value in host_side.items()})
+                         else {position: value.to(target, non_blocking=True) for position, value in host_side.items()})
                 for position, value in moved.items():
                     device_args[position] = value
         results["device"] = self._run_device(device_args, record, host_side)
