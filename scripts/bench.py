@@ -14,7 +14,8 @@ Workloads (fixed seeds):
   (h, w even in [4, 24]: below the smallest default bucket) after its own 3-request warm-up. A pass
   stops once --stream-budget-s is spent (torch.compile recompiles for minutes) and its result says
   "truncated". With --pipelined, W4_pipelined calls another stream of mostly new sizes back to back,
-  then again, synchronised only around each pass (a serving loop's throughput, not a latency).
+  then again, synchronised only around each pass (a serving loop's throughput, not a latency). Stream
+  summaries list the pauses of Python's full garbage collections during the pass (gc_full_collections_ms).
 Times are wall-clock per call with CUDA synchronisation before and after (end to end, host pass
 included). For kimi_cg, W1 also reports replay-only time (CUDA events around graph.replay()) and
 host overhead (end to end minus replay) and a cProfile of its host side. The torch.compile systems
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gc
 import json
 import os
 import random
@@ -107,6 +109,29 @@ def timed_call(fn, *args) -> float:
     fn(*args)
     synchronize()
     return (time.perf_counter() - start) * 1e3
+
+
+class GcPauses:
+    """Python's full collections (generation 2: the whole heap, dynamo's, FX's and Inductor's objects
+    included) and how long each paused the process; `take()` returns those since the last take."""
+
+    def __init__(self):
+        self.pauses: list[float] = []
+        self._start = None
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None and info.get("generation") == 2:
+            self.pauses.append((time.perf_counter() - self._start) * 1e3)
+
+    def take(self) -> list[float]:
+        pauses, self.pauses = self.pauses, []
+        return [round(p, 2) for p in pauses]
+
+
+GC_PAUSES = GcPauses()
 
 
 def summarize(times_ms: list[float], warmup_s: float, compiles: int) -> dict:
@@ -392,11 +417,14 @@ def run_stream(system, count, warmup_stream, stream, seed: int, budget_s: float,
         after_warmup = count()
         prepared = [make_inputs(grid, seed + 1000 + i) for i, grid in enumerate(stream)]
         replays = {"first": [], "second": []}
+        GC_PAUSES.take()
         first = timed_pass(system, prepared, stream, budget_s, stalls, replays["first"])
+        gc_first = GC_PAUSES.take()
         after_first = count()
         second = timed_pass(system, prepared, stream, budget_s, stalls, replays["second"]) if repeat else []
     return {"warmup_s": warmup, "warmup_requests": warmed, "first": first, "second": second, "replays": replays,
-            "compiles_first": after_first - after_warmup, "compiles_second": count() - after_first, "stalls": stalls}
+            "compiles_first": after_first - after_warmup, "compiles_second": count() - after_first, "stalls": stalls,
+            "gc_first": gc_first, "gc_second": GC_PAUSES.take()}
 
 
 def main() -> None:
@@ -485,6 +513,7 @@ def main() -> None:
         summary = summarize(times, run["warmup_s"] if key == "first" else 0.0, run["compiles_" + key])
         if key == "first" and run["warmup_requests"] < warmup_total:
             summary["warmup_truncated"] = f"{run['warmup_requests']} of {warmup_total} warm-up requests in {args.warmup_budget_s:.0f} s"
+        summary["gc_full_collections_ms"] = run["gc_" + key]  # pauses of Python's full collections in this pass
         replays = run["replays"][key]
         if replays and any(replays):  # --replay-breakdown
             summary["replay_mean_ms"] = statistics.fmean(replays)
