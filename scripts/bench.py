@@ -113,14 +113,14 @@ def timed_call(fn, *args) -> float:
 
 class GcPauses:
     """Python's full collections (generation 2: the whole heap, dynamo's, FX's and Inductor's objects
-    included) and how long each paused the process; `take()` returns those since the last take."""
+    included) and how long each paused the process; `take()` returns those since the last take. Counted once
+    main() adds `callback` to gc.callbacks (importing this module changes nothing)."""
 
     def __init__(self):
         self.pauses: list[float] = []
         self._start = None
-        gc.callbacks.append(self._callback)
 
-    def _callback(self, phase: str, info: dict) -> None:
+    def callback(self, phase: str, info: dict) -> None:
         if phase == "start":
             self._start = time.perf_counter()
         elif self._start is not None and info.get("generation") == 2:
@@ -522,6 +522,7 @@ def main() -> None:
             summary["truncated"] = f"{len(times)} of {total} requests within the {args.stream_budget_s:.0f} s budget"
         return summary
 
+    gc.callbacks.append(GC_PAUSES.callback)
     torch.manual_seed(0)
     if DEVICE == "cuda":  # the roofline's GEMM peak, on this GPU (scripts/roofline.py reads it)
         extras["gemm_peak_tflops"] = gemm_peak_tflops()
