@@ -10,7 +10,11 @@ count, so its difference includes that compile). One process, so A/B comparisons
     python -P scripts/trace_bench.py --family moonvit --smoke-test-on-cpu --out t.json            # tiny tower
 
 ``--no-resize-by-shape`` puts torch's upsample kernels back (NOTE [resize traced by shape] in
-kimi_cg/resize_shapes.py) to measure what that note saves. Families are family_bench.py's.
+kimi_cg/resize_shapes.py) to measure what that note saves. ``--blocks-as-regions`` marks the class of
+every repeated block (a ModuleList of two or more modules of one class) with
+``torch.compiler.nested_compile_region``, so that dynamo may trace one block and reuse it for the others
+(hierarchical compilation), and compares the largest count's outputs with eager's: a measurement of that
+lever, which kimi_cg does not use (docs/benchmarks.md, 2026-12-06). Families are family_bench.py's.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ def main() -> None:
     parser.add_argument("--max-items", type=int, default=8)
     parser.add_argument("--smoke-test-on-cpu", action="store_true", help="tiny tower")
     parser.add_argument("--no-resize-by-shape", action="store_true", help="torch's upsample kernels while tracing")
+    parser.add_argument("--blocks-as-regions", action="store_true",
+                        help="mark repeated blocks' classes as nested compile regions (measures that lever)")
     parser.add_argument("--commit", default=None, help="recorded in the report")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -52,6 +58,7 @@ def main() -> None:
     torch.manual_seed(0)
     model, config = family_bench.build(args.family, args.smoke_test_on_cpu, "cpu", torch.float32)
     make_inputs = family_bench.inputs_for(args.family, config, "cpu", torch.float32)
+    regions = _mark_repeated_blocks(model) if args.blocks_as_regions else []
     compiled = torch.compile(model, backend="kimi_cg", options={"device_compiler": "inductor"})
     counts = []
     with torch.no_grad():
@@ -66,14 +73,39 @@ def main() -> None:
             counts.append({"items": n, "first_s": round(first, 3), "repeat_s": round(repeat, 3),
                            "trace_s": round(first - repeat, 3)})
             print(counts[-1], flush=True)
+        outputs_vs_eager = _max_difference(compiled(*inputs), model(*inputs)) if regions else None
     report = {"family": args.family, "smoke_test_on_cpu": args.smoke_test_on_cpu,
-              "resize_by_shape": not args.no_resize_by_shape, "commit": args.commit, "torch": torch.__version__,
+              "resize_by_shape": not args.no_resize_by_shape, "blocks_as_regions": regions,
+              "max_abs_difference_vs_eager_at_the_largest_count": outputs_vs_eager, "commit": args.commit, "torch": torch.__version__,
               "command": " ".join(sys.argv), "counts": counts,
               "trace_s_from_2_items": round(sum(c["trace_s"] for c in counts[1:]), 2),
               "counters": dict(kimi_cg.counters), "timings": dict(kimi_cg.timings)}
     with open(args.out, "w") as handle:
         json.dump(report, handle, indent=1)
     print("traces from 2 items on:", report["trace_s_from_2_items"], "s")
+
+
+def _mark_repeated_blocks(model) -> list[str]:
+    """Mark the forward of each class whose modules repeat in a ModuleList as a nested compile region
+    (on the class: dynamo's reuse keys on the function, and each call still passes its own module)."""
+    import torch
+
+    classes = []
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) >= 2 and len({type(m) for m in module}) == 1:
+            if type(module[0]) not in classes:
+                classes.append(type(module[0]))
+    for cls in classes:
+        cls.forward = torch.compiler.nested_compile_region(cls.forward)
+    return [cls.__qualname__ for cls in classes]
+
+
+def _max_difference(got, want) -> float:
+    import torch
+
+    got = got if isinstance(got, (list, tuple)) else [got]
+    want = want if isinstance(want, (list, tuple)) else [want]
+    return max(float((g.float() - w.float()).abs().max()) for g, w in zip(got, want, strict=True)) if got else 0.0
 
 
 if __name__ == "__main__":

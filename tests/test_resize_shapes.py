@@ -111,9 +111,10 @@ def test_other_compiles_run_the_decomposition():
     assert kimi_cg.counters["resizes_traced_by_shape"] == 0
 
 
-@pytest.mark.parametrize("by_shape", [True, False])
-def test_trace_bench_runs_on_cpu(tmp_path, by_shape):
-    """scripts/trace_bench.py (trace time per item count) on the tiny reference tower, with and without."""
+@pytest.mark.parametrize("by_shape, regions", [(True, False), (False, False), (True, True)])
+def test_trace_bench_runs_on_cpu(tmp_path, by_shape, regions):
+    """scripts/trace_bench.py (trace time per item count) on the tiny reference tower, with and without;
+    with its blocks marked as nested compile regions, its outputs are compared with eager's."""
     import json
     import os
     import subprocess
@@ -122,10 +123,16 @@ def test_trace_bench_runs_on_cpu(tmp_path, by_shape):
     out = tmp_path / "trace.json"
     command = [sys.executable, "-P", "scripts/trace_bench.py", "--family", "moonvit", "--smoke-test-on-cpu",
                "--max-items", "3", "--out", str(out)] + ([] if by_shape else ["--no-resize-by-shape"])
+    command += ["--blocks-as-regions"] if regions else []
     result = subprocess.run(command, capture_output=True, text=True, timeout=600,
                             cwd=os.path.dirname(os.path.dirname(__file__)))
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     assert [c["items"] for c in report["counts"]] == [1, 2, 3] and report["resize_by_shape"] == by_shape
     assert (report["counters"].get("resizes_traced_by_shape", 0) > 0) == by_shape
+    if regions:
+        assert report["blocks_as_regions"] == ["MoonVitEncoderLayer"]
+        assert report["max_abs_difference_vs_eager_at_the_largest_count"] <= 1e-5
+    else:
+        assert not report["blocks_as_regions"] and report["max_abs_difference_vs_eager_at_the_largest_count"] is None
     assert report["counters"].get("call_fallbacks", 0) == 0 and report["counters"].get("graph_breaks", 0) == 0
