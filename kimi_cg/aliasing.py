@@ -18,7 +18,9 @@ refuses to lift that graph (the caller falls back to the captured graph, which i
 
 Storage identity comes from the fake tensors dynamo traced with (``meta["example_value"]``): views
 share their base's fake storage, whatever op made them, so no list of view ops is needed. Nodes
-without a traced value (made by passes) are assumed to alias their tensor inputs (conservative).
+without a traced value (made by passes) are assumed to alias their tensor inputs (conservative). A node
+whose traced value is shared with other nodes (the copies of a nested compile region, NOTE [compile
+regions inlined]) carries its storage's identity in ``meta[ALIAS_KEY]`` instead.
 """
 
 from __future__ import annotations
@@ -31,6 +33,24 @@ import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from kimi_cg.capture import example_value
+
+ALIAS_KEY = "kimi_cg_alias_key"
+"""Node meta key: the identity of the node's storage where its traced value does not tell it."""
+
+
+def storage_key(node: torch.fx.Node, value=None):
+    """What identifies the storage of ``node``'s tensor value (its traced value's storage, unless
+    ``ALIAS_KEY`` says otherwise); None for values without storage."""
+    key = node.meta.get(ALIAS_KEY)
+    if key is not None:
+        return key
+    value = example_value(node) if value is None else value
+    if not isinstance(value, torch.Tensor):
+        return None
+    try:
+        return StorageWeakRef(value.untyped_storage())
+    except (NotImplementedError, RuntimeError):  # sparse or other storage-less tensors
+        return None
 
 _IN_PLACE_OPERATORS = {
     operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
@@ -102,17 +122,14 @@ class Aliasing:
 
     def __init__(self, graph: torch.fx.Graph):
         self._parent: dict[torch.fx.Node, torch.fx.Node] = {}
-        by_storage: dict[StorageWeakRef, torch.fx.Node] = {}
+        by_storage: dict[object, torch.fx.Node] = {}
         writes: list[tuple[torch.fx.Node, list[torch.fx.Node]]] = []
         for node in graph.nodes:
             if node.op == "output":
                 continue
             value = example_value(node)
             if isinstance(value, torch.Tensor):
-                try:
-                    key = StorageWeakRef(value.untyped_storage())
-                except (NotImplementedError, RuntimeError):  # sparse or other storage-less tensors
-                    key = None
+                key = storage_key(node, value)
                 if key is not None:
                     if key in by_storage:
                         self._union(node, by_storage[key])

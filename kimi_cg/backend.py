@@ -16,9 +16,10 @@ import weakref
 import torch
 
 from kimi_cg import capture, dynamo_settings
-from kimi_cg.canonicalize import (FuseGatherLayerNormPass, GatherReducePass, LinearGeluPass, MergeGatherPass,
-                                  PatchConvPass, RealRopePass, ScatterMergePass, SegmentAttentionPass,
-                                  SeparableResizePass, TableGatherPass)
+from kimi_cg.canonicalize import (FuseGatherLayerNormPass, GatherReducePass, InlineRegionsPass, LinearGeluPass,
+                                  MergeGatherPass, PatchConvPass, RealRopePass, ScatterMergePass,
+                                  SegmentAttentionPass, SeparableResizePass, TableGatherPass)
+from kimi_cg.canonicalize.compile_regions import has_regions
 from kimi_cg.config import KimiCGConfig
 from kimi_cg.counters import counters, timings
 from kimi_cg.device_program import get_device_program
@@ -81,6 +82,8 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, config: KimiCGConfi
 
 def _lift(work: torch.fx.GraphModule, pristine: torch.fx.GraphModule, inputs, activations, example_inputs,
           config: KimiCGConfig, dump: GraphDump):
+    if has_regions(work):  # NOTE [compile regions inlined]: first, so every other pass sees plain ops
+        InlineRegionsPass(dump)(work)
     SeparableResizePass(dump)(work)
     SegmentAttentionPass(dump)(work)
     ScatterMergePass(dump)(work)

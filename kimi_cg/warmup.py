@@ -16,12 +16,15 @@ bucket also captures every bucket.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 
 from kimi_cg.capture import input_rows_dim
 from kimi_cg.counters import counters, timings
+
+logger = logging.getLogger(__name__)
 
 
 def warm_up(model, pixel_values: torch.Tensor, grid: torch.Tensor, max_items: int = 8) -> dict:
@@ -84,3 +87,33 @@ def warm_up(model, pixel_values: torch.Tensor, grid: torch.Tensor, max_items: in
             "breakdown_s": breakdown, "buckets_ready_s": buckets_ready, "per_call": per_call,
             "programs_loaded": counters["program_cache_hits"] - loaded,
             "programs_stored": counters["program_cache_stores"] - stored}
+
+
+def mark_repeated_blocks(model: torch.nn.Module) -> list[type]:
+    """Mark the class of every repeated block of ``model`` (an ``nn.ModuleList`` of two or more modules
+    of one class) with ``torch.compiler.nested_compile_region``, so that dynamo traces one block per
+    item count and reuses it for the others; kimi_cg inlines the calls back before lifting (NOTE
+    [compile regions inlined]). On torch 2.13 this cut a real Kimi-VL tower's trace per item count by
+    about half (docs/benchmarks.md, 2026-12-06).
+
+    The mark is on the class, so it holds for every instance in the process (in eager mode it only
+    calls through). Marking each instance's bound ``forward`` instead made torch 2.13 reuse the first
+    block's weights for every block: kimi_cg never does that. Returns the classes marked; a class
+    already marked is left as it is. Call it before the first compiled call (dynamo keeps the traces
+    it has). On torch older than 2.13 it marks nothing (measured on 2.11: each count traced ~7% slower with
+    the marks) and says so in the log."""
+    if tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13):
+        logger.info("kimi_cg.mark_repeated_blocks: torch %s reuses no traced block (2.11 measured); nothing marked",
+                    torch.__version__)
+        return []
+    marked = []
+    for module in model.modules():
+        if not isinstance(module, torch.nn.ModuleList) or len(module) < 2 or len({type(m) for m in module}) != 1:
+            continue
+        cls = type(module[0])
+        if cls in marked or cls.forward is torch.nn.Module.forward or "forward" in vars(module[0]):
+            continue  # no forward of its own, or an instance's own forward (hooks such as accelerate's)
+        if not hasattr(cls.forward, "__marked_compile_region_fn__"):
+            cls.forward = torch.compiler.nested_compile_region(cls.forward)
+        marked.append(cls)
+    return marked

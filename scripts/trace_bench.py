@@ -10,11 +10,9 @@ count, so its difference includes that compile). One process, so A/B comparisons
     python -P scripts/trace_bench.py --family moonvit --smoke-test-on-cpu --out t.json            # tiny tower
 
 ``--no-resize-by-shape`` puts torch's upsample kernels back (NOTE [resize traced by shape] in
-kimi_cg/resize_shapes.py) to measure what that note saves. ``--blocks-as-regions`` marks the class of
-every repeated block (a ModuleList of two or more modules of one class) with
-``torch.compiler.nested_compile_region``, so that dynamo may trace one block and reuse it for the others
-(hierarchical compilation), and compares the largest count's outputs with eager's: a measurement of that
-lever, which kimi_cg does not use (docs/benchmarks.md, 2026-12-06). Families are family_bench.py's.
+kimi_cg/resize_shapes.py) to measure what that note saves. ``--blocks-as-regions`` calls
+``kimi_cg.mark_repeated_blocks`` first (dynamo traces one block per count and reuses it for the others)
+and compares the largest count's outputs with eager's. Families are family_bench.py's.
 """
 
 from __future__ import annotations
@@ -58,7 +56,7 @@ def main() -> None:
     torch.manual_seed(0)
     model, config = family_bench.build(args.family, args.smoke_test_on_cpu, "cpu", torch.float32)
     make_inputs = family_bench.inputs_for(args.family, config, "cpu", torch.float32)
-    regions = _mark_repeated_blocks(model) if args.blocks_as_regions else []
+    regions = [cls.__qualname__ for cls in kimi_cg.mark_repeated_blocks(model)] if args.blocks_as_regions else []
     compiled = torch.compile(model, backend="kimi_cg", options={"device_compiler": "inductor"})
     counts = []
     with torch.no_grad():
@@ -83,21 +81,6 @@ def main() -> None:
     with open(args.out, "w") as handle:
         json.dump(report, handle, indent=1)
     print("traces from 2 items on:", report["trace_s_from_2_items"], "s")
-
-
-def _mark_repeated_blocks(model) -> list[str]:
-    """Mark the forward of each class whose modules repeat in a ModuleList as a nested compile region
-    (on the class: dynamo's reuse keys on the function, and each call still passes its own module)."""
-    import torch
-
-    classes = []
-    for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) >= 2 and len({type(m) for m in module}) == 1:
-            if type(module[0]) not in classes:
-                classes.append(type(module[0]))
-    for cls in classes:
-        cls.forward = torch.compiler.nested_compile_region(cls.forward)
-    return [cls.__qualname__ for cls in classes]
 
 
 def _max_difference(got, want) -> float:

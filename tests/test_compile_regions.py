@@ -1,0 +1,155 @@
+"""Towers whose repeated blocks are nested compile regions (NOTE [compile regions inlined]): dynamo traces
+one block and reuses it, kimi_cg inlines the calls back and lifts the graph as if dynamo had inlined them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import kimi_cg
+from kimi_cg.models import MoonVitConfig, MoonVitPretrainedModel
+from kimi_cg.models.moonvit import MoonVitEncoderLayer
+
+GRIDS = [[[4, 6]], [[6, 4], [2, 8]], [[8, 8], [4, 4], [2, 6]], [[2, 2], [6, 6]]]
+
+
+def _pixels(grid: torch.Tensor, seed: int) -> torch.Tensor:
+    rows = int((grid[:, 0] * grid[:, 1]).sum())
+    return torch.randn(rows, 3, 14, 14, generator=torch.Generator().manual_seed(seed))
+
+
+def _regions_in(graphs) -> int:
+    return sum(node.target is torch.ops.higher_order.invoke_subgraph for gm in graphs for node in gm.graph.nodes)
+
+
+NEW_TORCH = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+
+
+def test_mark_repeated_blocks_marks_the_block_class_once(monkeypatch):
+    monkeypatch.setattr(MoonVitEncoderLayer, "forward", MoonVitEncoderLayer.forward)  # undone after the test
+    model = MoonVitPretrainedModel(MoonVitConfig.tiny(num_hidden_layers=3)).eval()
+    before = MoonVitEncoderLayer.forward
+    if not NEW_TORCH:  # torch 2.11 reuses no traced block: nothing is marked
+        assert kimi_cg.mark_repeated_blocks(model) == [] and MoonVitEncoderLayer.forward is before
+        return
+    assert kimi_cg.mark_repeated_blocks(model) == [MoonVitEncoderLayer]
+    marked = MoonVitEncoderLayer.forward
+    assert marked is not before and hasattr(marked, "__marked_compile_region_fn__")
+    assert kimi_cg.mark_repeated_blocks(model) == [MoonVitEncoderLayer] and MoonVitEncoderLayer.forward is marked
+
+
+def test_marked_blocks_are_inlined_and_lifted(monkeypatch):
+    # Marked by hand, as on any torch (mark_repeated_blocks marks nothing before 2.13).
+    monkeypatch.setattr(MoonVitEncoderLayer, "forward", torch.compiler.nested_compile_region(MoonVitEncoderLayer.forward))
+    torch.manual_seed(0)
+    model = MoonVitPretrainedModel(MoonVitConfig.tiny(num_hidden_layers=4)).eval()
+    compiled = torch.compile(model, backend="kimi_cg")
+    for seed, grid in enumerate(GRIDS):
+        grid = torch.tensor(grid)
+        pixels = _pixels(grid, seed)
+        got, want = compiled(pixels, grid), model(pixels, grid)
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    counters = dict(kimi_cg.counters)
+    assert counters.get("compile_region_calls_inlined", 0) >= 4 * 2, counters  # 4 blocks, at least 2 traces
+    assert counters.get("lift_fallbacks", 0) == 0 and counters.get("call_fallbacks", 0) == 0, counters
+    assert counters.get("device_programs_run", 0) >= 1, counters
+
+
+class _WritingBlock(nn.Module):
+    """Writes in place into a view of its input's clone and into a view of a tensor it makes: the
+    aliasing analysis must keep each inlined copy's writes with that copy's tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x).clone()
+        y[:, :2].mul_(2.0)
+        buffer = torch.zeros_like(y)
+        buffer[:, 4:].copy_(y[:, 4:] * scale)
+        return y + buffer
+
+
+class _Tower(nn.Module):
+    def __init__(self, blocks: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(_WritingBlock() for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor, grid_hws: torch.Tensor) -> list[torch.Tensor]:
+        scale = (grid_hws[:, 0] * grid_hws[:, 1]).sum().to(x.dtype) / 64
+        for block in self.blocks:
+            x = block(x, scale)
+        out, start = [], 0
+        for h, w in grid_hws.tolist():
+            out.append(x[start : start + h * w])
+            start += h * w
+        return out
+
+
+def test_regions_that_write_in_place_match_eager(monkeypatch):
+    monkeypatch.setattr(_WritingBlock, "forward", torch.compiler.nested_compile_region(_WritingBlock.forward))
+    torch.manual_seed(0)
+    model = _Tower(3).eval()
+    compiled = torch.compile(model, backend="kimi_cg")
+    graphs = []
+    monkeypatch.setattr(kimi_cg.backend, "report_graph_break", lambda gm: graphs.append(gm))
+    for seed, grid in enumerate(GRIDS):
+        grid = torch.tensor(grid)
+        x = torch.randn(int((grid[:, 0] * grid[:, 1]).sum()), 8, generator=torch.Generator().manual_seed(seed))
+        for g, w in zip(compiled(x, grid), model(x, grid), strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert _regions_in(graphs) > 0  # dynamo made regions: this tests the inlining, not plain inlined blocks
+    assert kimi_cg.counters.get("compile_region_calls_inlined", 0) > 0
+
+
+class _ItemBlock(nn.Module):
+    """Reads a value of its input inside the region (an unbacked symbol bound in the subgraph)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        longest = int(lengths.max().item())
+        return self.lin(x) + longest
+
+
+class _ItemTower(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_ItemBlock() for _ in range(2))
+
+    def forward(self, x: torch.Tensor, grid_hws: torch.Tensor) -> torch.Tensor:
+        lengths = grid_hws[:, 0] * grid_hws[:, 1]
+        for block in self.blocks:
+            x = block(x, lengths)
+        return x
+
+
+def test_a_region_that_binds_unbacked_symbols_runs_unlifted_and_correct(monkeypatch):
+    monkeypatch.setattr(_ItemBlock, "forward", torch.compiler.nested_compile_region(_ItemBlock.forward))
+    torch.manual_seed(0)
+    model = _ItemTower().eval()
+    compiled = torch.compile(model, backend="kimi_cg")
+    for seed, grid in enumerate(GRIDS):
+        grid = torch.tensor(grid)
+        x = torch.randn(int((grid[:, 0] * grid[:, 1]).sum()), 8, generator=torch.Generator().manual_seed(seed))
+        try:
+            got = compiled(x, grid)
+        except torch._dynamo.exc.UncapturedHigherOrderOpError:
+            pytest.skip("this torch cannot trace a region that binds unbacked symbols (dynamo's error, not kimi_cg's)")
+        torch.testing.assert_close(got, model(x, grid), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not NEW_TORCH, reason="mark_repeated_blocks marks nothing before torch 2.13")
+def test_blocks_with_their_own_forward_are_not_marked(monkeypatch):
+    monkeypatch.setattr(MoonVitEncoderLayer, "forward", MoonVitEncoderLayer.forward)
+    model = MoonVitPretrainedModel(MoonVitConfig.tiny(num_hidden_layers=2)).eval()
+    for block in model.encoder.blocks:  # as hooks that wrap each instance do
+        block.forward = block.forward
+    before = MoonVitEncoderLayer.forward
+    assert kimi_cg.mark_repeated_blocks(model) == [] and MoonVitEncoderLayer.forward is before
