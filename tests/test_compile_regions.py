@@ -103,38 +103,48 @@ def test_regions_that_write_in_place_match_eager(monkeypatch):
         for g, w in zip(compiled(x, grid), model(x, grid), strict=True):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
     assert _regions_in(graphs) > 0  # dynamo made regions: this tests the inlining, not plain inlined blocks
-    assert kimi_cg.counters.get("compile_region_calls_inlined", 0) > 0
+    counters = dict(kimi_cg.counters)
+    assert counters.get("compile_region_calls_inlined", 0) > 0 and counters.get("lift_fallbacks", 0) == 0, counters
 
 
 class _ItemBlock(nn.Module):
-    """Reads a value of its input inside the region (an unbacked symbol bound in the subgraph)."""
+    """Reads a value of its input inside the region (an unbacked symbol bound in the subgraph), as
+    MoonViT's blocks check ``cu_seqlens[-1].item()`` against the rows."""
 
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(8, 8)
 
     def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        longest = int(lengths.max().item())
-        return self.lin(x) + longest
+        total = lengths.sum().item()
+        torch._check(total == x.shape[0])
+        return self.lin(x)
 
 
 class _ItemTower(nn.Module):
-    def __init__(self):
+    def __init__(self, same_lengths: bool):
         super().__init__()
-        self.blocks = nn.ModuleList(_ItemBlock() for _ in range(2))
+        self.same_lengths = same_lengths
+        self.blocks = nn.ModuleList(_ItemBlock() for _ in range(3))
 
     def forward(self, x: torch.Tensor, grid_hws: torch.Tensor) -> torch.Tensor:
         lengths = grid_hws[:, 0] * grid_hws[:, 1]
-        for block in self.blocks:
-            x = block(x, lengths)
+        for block in self.blocks:  # equal lengths either way; computed again, they are other graph values
+            x = block(x, lengths if self.same_lengths else grid_hws[:, 0] * grid_hws[:, 1])
         return x
 
 
-def test_a_region_that_binds_unbacked_symbols_runs_unlifted_and_correct(monkeypatch):
+@pytest.mark.parametrize("same_lengths", [True, False])
+def test_regions_that_bind_unbacked_symbols(monkeypatch, same_lengths):
+    """The same lengths in every call: the binding is made once and the graph lifts. Lengths that are
+    other graph values in each call (equal here, but kimi_cg cannot know): one symbol for every copy could
+    be wrong, so the graph runs unlifted. Both equal eager."""
     monkeypatch.setattr(_ItemBlock, "forward", torch.compiler.nested_compile_region(_ItemBlock.forward))
     torch.manual_seed(0)
-    model = _ItemTower().eval()
+    model = _ItemTower(same_lengths).eval()
     compiled = torch.compile(model, backend="kimi_cg")
+    graphs = []
+    monkeypatch.setattr(kimi_cg.backend, "report_graph_break", lambda gm: graphs.append(gm))
     for seed, grid in enumerate(GRIDS):
         grid = torch.tensor(grid)
         x = torch.randn(int((grid[:, 0] * grid[:, 1]).sum()), 8, generator=torch.Generator().manual_seed(seed))
@@ -143,6 +153,13 @@ def test_a_region_that_binds_unbacked_symbols_runs_unlifted_and_correct(monkeypa
         except torch._dynamo.exc.UncapturedHigherOrderOpError:
             pytest.skip("this torch cannot trace a region that binds unbacked symbols (dynamo's error, not kimi_cg's)")
         torch.testing.assert_close(got, model(x, grid), rtol=1e-5, atol=1e-5)
+    if not _regions_in(graphs):
+        pytest.skip("dynamo inlined the blocks itself: nothing for kimi_cg to inline")
+    counters = dict(kimi_cg.counters)
+    if same_lengths:
+        assert counters.get("compile_region_calls_inlined", 0) > 0 and counters.get("lift_fallbacks", 0) == 0, counters
+    else:
+        assert counters.get("lift_fallbacks", 0) > 0 and "nested compile region kimi_cg cannot inline" in kimi_cg.fallbacks
 
 
 @pytest.mark.skipif(not NEW_TORCH, reason="mark_repeated_blocks marks nothing before torch 2.13")
@@ -153,3 +170,50 @@ def test_blocks_with_their_own_forward_are_not_marked(monkeypatch):
         block.forward = block.forward
     before = MoonVitEncoderLayer.forward
     assert kimi_cg.mark_repeated_blocks(model) == [] and MoonVitEncoderLayer.forward is before
+
+
+class _InputWritingBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x[:, :2].mul_(2.0)  # writes its input, through a view
+        return self.lin(x)
+
+
+class _InputWritingTower(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_InputWritingBlock() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x.clone())
+        return x
+
+
+def test_each_inlined_copy_writes_its_own_input(monkeypatch):
+    """The copies share one set of fake tensors; the aliasing analysis must still put each copy's write in
+    the group of that call's input (its own clone), not of the first call's."""
+    from kimi_cg.aliasing import Aliasing
+    from kimi_cg.canonicalize import InlineRegionsPass
+    from kimi_cg.capture import working_copy
+
+    monkeypatch.setattr(_InputWritingBlock, "forward", torch.compiler.nested_compile_region(_InputWritingBlock.forward))
+    graphs = []
+    model = _InputWritingTower().eval()
+    compiled = torch.compile(model, backend=lambda gm, example_inputs: (graphs.append(gm), gm.forward)[1])
+    x = torch.randn(5, 8)
+    torch.testing.assert_close(compiled(x), model(x))
+    (gm,) = graphs
+    if _regions_in(graphs) != 3:
+        pytest.skip("dynamo did not make one region call per block")
+    work = working_copy(gm)
+    InlineRegionsPass()(work)
+    clones = [n for n in work.graph.nodes if n.op == "call_method" and n.target == "clone"]
+    groups = Aliasing(work.graph).groups
+    assert len(clones) == 3 and len(groups) == 3
+    for clone in clones:
+        (group,) = [g for g in groups if clone in g.members]
+        assert len(group.writes) == 1 and not any(other in group.members for other in clones if other is not clone)

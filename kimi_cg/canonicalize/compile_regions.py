@@ -10,19 +10,25 @@ call of a subgraph that dynamo traced once and reused for every block with the s
     subgraph_1 = self.subgraph_0
     invoke_subgraph_1 = torch.ops.higher_order.invoke_subgraph(subgraph_1, 'subgraph_0', x_2, w1, b1, ...)
 
-On torch 2.13 that cuts a real MoonViT's trace of each item count by ~60% (docs/benchmarks.md,
-2026-12-06; torch 2.11 reuses nothing). The passes and the lift read ops, not regions (a region call
-taking grid values is a device op reading the grid: the graph would run unlifted), so this pass puts a
-copy of the subgraph's nodes in place of each call, on the call's own operands, as dynamo would have
-inlined the block.
+On torch 2.13 that halves a real MoonViT's trace of each item count (docs/benchmarks.md, 2026-12-06;
+torch 2.11 reuses nothing). The passes and the lift read ops, not regions (a region call taking grid
+values is a device op reading the grid: the graph would run unlifted), so this pass puts a copy of the
+subgraph's nodes in place of each call, on the call's own operands, as dynamo would have inlined the block.
 
 The copies carry the subgraph's traced values: the same fake tensors, hence the same fake storages, in
 every copy. The aliasing analysis (aliasing.py) groups nodes by storage, so each copied node gets the key
 ``ALIAS_KEY`` to use instead: a tensor made inside the region is (copy, storage); a view of an operand
-takes the operand's own key. Copies stay apart and a write through a view of a block's input still joins
-that input. Refused, so the graph runs unlifted (correct, not graphed): a region that binds unbacked
-symbols (every copy would share one symbol for values that may differ), one with attributes or regions
-of its own, and a call whose operands do not match the subgraph's inputs.
+takes the operand's key, a value the call returns its result's key in the graph. Copies stay apart, and
+a write through a view of a block's input still joins that input.
+
+A region may bind unbacked symbols: MoonViT's blocks read ``max_seqlen`` and ``cu_seqlens[-1]`` with
+``.item()``. One symbol in every copy is right only for a value that is the same in every call, so such
+a node, and what it reads inside the region, must depend only on inputs that every call passes the same
+graph value that nothing writes; those nodes are made once, in the first copy, and later copies read them
+(dynamo's own inlining would have read the same values again). Refused, so the graph runs unlifted
+(correct, not graphed): a binding from values that differ between calls, a region that binds and also
+writes in place, attributes or regions of its own, inputs that share storage, a returned input or value
+made once, and a call whose operands do not match the subgraph's inputs.
 """
 
 from __future__ import annotations
@@ -119,8 +125,10 @@ class InlineRegionsPass(GraphPass):
         keys: dict[StorageWeakRef, object] = {}
         for placeholder, operand in zip(placeholders, operands):
             storage = _storage(example_value(placeholder))
+            if storage is not None and storage in keys:  # another call may pass tensors that do not alias
+                _refuse("two inputs that share storage", call)
             if storage is not None and isinstance(operand, torch.fx.Node):
-                keys.setdefault(storage, storage_key(operand))
+                keys[storage] = storage_key(operand)
         for user, index in users.items():
             storage, key = _storage(example_value(results[index])), storage_key(user)
             if storage is not None and key is not None and keys.setdefault(storage, key) != key:
