@@ -20,7 +20,7 @@ Storage identity comes from the fake tensors dynamo traced with (``meta["example
 share their base's fake storage, whatever op made them, so no list of view ops is needed. Nodes
 without a traced value (made by passes) are assumed to alias their tensor inputs (conservative). A node
 whose traced value is shared with other nodes (the copies of a nested compile region, NOTE [compile
-regions inlined]) carries its storage's identity in ``meta[ALIAS_KEY]`` instead.
+regions inlined]) keeps its storage's identity in ``meta[ALIAS_KEY]`` instead.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ torch 2.11 reuses nothing). The passes and the lift read ops, not regions (a reg
 values is a device op reading the grid: the graph would run unlifted), so this pass puts a copy of the
 subgraph's nodes in place of each call, on the call's own operands, as dynamo would have inlined the block.
 
-The copies carry the subgraph's traced values: the same fake tensors, hence the same fake storages, in
+The copies hold the subgraph's traced values: the same fake tensors, hence the same fake storages, in
 every copy. The aliasing analysis (aliasing.py) groups nodes by storage, so each copied node gets the key
 ``ALIAS_KEY`` to use instead: a tensor made inside the region is (copy, storage); a view of an operand
 takes the operand's key, a value the call returns its result's key in the graph. Copies stay apart, and
