@@ -19,6 +19,19 @@ def _pixels(grid: torch.Tensor, seed: int) -> torch.Tensor:
     return torch.randn(rows, 3, 14, 14, generator=torch.Generator().manual_seed(seed))
 
 
+def _features(grid: torch.Tensor, seed: int) -> torch.Tensor:
+    return torch.randn(int((grid[:, 0] * grid[:, 1]).sum()), 8, generator=torch.Generator().manual_seed(seed))
+
+
+def _compiled_with_regions(monkeypatch, block_class, model):
+    """``model`` compiled with kimi_cg, ``block_class`` marked as a region (undone after the test), and the
+    list that receives every graph dynamo hands the backend."""
+    monkeypatch.setattr(block_class, "forward", torch.compiler.nested_compile_region(block_class.forward))
+    graphs = []
+    monkeypatch.setattr(kimi_cg.backend, "report_graph_break", graphs.append)
+    return torch.compile(model, backend="kimi_cg"), graphs
+
+
 def _regions_in(graphs) -> int:
     return sum(node.target is torch.ops.higher_order.invoke_subgraph for gm in graphs for node in gm.graph.nodes)
 
@@ -91,15 +104,12 @@ class _Tower(nn.Module):
 
 
 def test_regions_that_write_in_place_match_eager(monkeypatch):
-    monkeypatch.setattr(_WritingBlock, "forward", torch.compiler.nested_compile_region(_WritingBlock.forward))
     torch.manual_seed(0)
     model = _Tower(3).eval()
-    compiled = torch.compile(model, backend="kimi_cg")
-    graphs = []
-    monkeypatch.setattr(kimi_cg.backend, "report_graph_break", lambda gm: graphs.append(gm))
+    compiled, graphs = _compiled_with_regions(monkeypatch, _WritingBlock, model)
     for seed, grid in enumerate(GRIDS):
         grid = torch.tensor(grid)
-        x = torch.randn(int((grid[:, 0] * grid[:, 1]).sum()), 8, generator=torch.Generator().manual_seed(seed))
+        x = _features(grid, seed)
         for g, w in zip(compiled(x, grid), model(x, grid), strict=True):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
     assert _regions_in(graphs) > 0  # dynamo made regions: this tests the inlining, not plain inlined blocks
@@ -139,15 +149,12 @@ def test_regions_that_bind_unbacked_symbols(monkeypatch, same_lengths):
     """The same lengths in every call: the binding is made once and the graph lifts. Lengths that are
     other graph values in each call (equal here, but kimi_cg cannot know): one symbol for every copy could
     be wrong, so the graph runs unlifted. Both equal eager."""
-    monkeypatch.setattr(_ItemBlock, "forward", torch.compiler.nested_compile_region(_ItemBlock.forward))
     torch.manual_seed(0)
     model = _ItemTower(same_lengths).eval()
-    compiled = torch.compile(model, backend="kimi_cg")
-    graphs = []
-    monkeypatch.setattr(kimi_cg.backend, "report_graph_break", lambda gm: graphs.append(gm))
+    compiled, graphs = _compiled_with_regions(monkeypatch, _ItemBlock, model)
     for seed, grid in enumerate(GRIDS):
         grid = torch.tensor(grid)
-        x = torch.randn(int((grid[:, 0] * grid[:, 1]).sum()), 8, generator=torch.Generator().manual_seed(seed))
+        x = _features(grid, seed)
         try:
             got = compiled(x, grid)
         except torch._dynamo.exc.UncapturedHigherOrderOpError:
