@@ -101,7 +101,13 @@ def mark_repeated_blocks(model: torch.nn.Module) -> list[type]:
     block's weights for every block: kimi_cg never does that. Returns the classes marked; a class
     already marked is left as it is. Call it before the first compiled call (dynamo keeps the traces
     it has). On torch older than 2.13 it marks nothing (measured on 2.11: each count traced ~7% slower with
-    the marks) and says so in the log."""
+    the marks) and says so in the log.
+
+    Not public yet (``scripts/trace_bench.py --blocks-as-regions`` measures it): a block dynamo cannot
+    trace whole (a graph break inside it, e.g. a branch on a tensor's value) makes dynamo raise
+    ``UncapturedHigherOrderOpError``, which it never falls back from, so the call fails where eager
+    runs. Before kimi_cg marks blocks for its users it must catch that and trace the call again without
+    the marks."""
     if tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13):
         logger.info("kimi_cg.mark_repeated_blocks: torch %s reuses no traced block (2.11 measured); nothing marked",
                     torch.__version__)

@@ -11,7 +11,7 @@ count, so its difference includes that compile). One process, so A/B comparisons
 
 ``--no-resize-by-shape`` puts torch's upsample kernels back (NOTE [resize traced by shape] in
 kimi_cg/resize_shapes.py) to measure what that note saves. ``--blocks-as-regions`` calls
-``kimi_cg.mark_repeated_blocks`` first (dynamo traces one block per count and reuses it for the others)
+``kimi_cg.warmup.mark_repeated_blocks`` first (dynamo traces one block per count and reuses it for the others)
 and compares the largest count's outputs with eager's. Families are family_bench.py's.
 """
 
@@ -48,6 +48,7 @@ def main() -> None:
 
     import family_bench
     import kimi_cg
+    from kimi_cg.warmup import mark_repeated_blocks
     from kimi_cg import resize_shapes
 
     if args.no_resize_by_shape:
@@ -56,7 +57,7 @@ def main() -> None:
     torch.manual_seed(0)
     model, config = family_bench.build(args.family, args.smoke_test_on_cpu, "cpu", torch.float32)
     make_inputs = family_bench.inputs_for(args.family, config, "cpu", torch.float32)
-    regions = [cls.__qualname__ for cls in kimi_cg.mark_repeated_blocks(model)] if args.blocks_as_regions else []
+    regions = [cls.__qualname__ for cls in mark_repeated_blocks(model)] if args.blocks_as_regions else []
     compiled = torch.compile(model, backend="kimi_cg", options={"device_compiler": "inductor"})
     counts = []
     with torch.no_grad():

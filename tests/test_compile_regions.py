@@ -8,8 +8,10 @@ import torch
 import torch.nn as nn
 
 import kimi_cg
+import kimi_cg.backend as kimi_cg_backend
 from kimi_cg.models import MoonVitConfig, MoonVitPretrainedModel
 from kimi_cg.models.moonvit import MoonVitEncoderLayer
+from kimi_cg.warmup import mark_repeated_blocks
 
 GRIDS = [[[4, 6]], [[6, 4], [2, 8]], [[8, 8], [4, 4], [2, 6]], [[2, 2], [6, 6]]]
 
@@ -28,7 +30,7 @@ def _compiled_with_regions(monkeypatch, block_class, model):
     list that receives every graph dynamo hands the backend."""
     monkeypatch.setattr(block_class, "forward", torch.compiler.nested_compile_region(block_class.forward))
     graphs = []
-    monkeypatch.setattr(kimi_cg.backend, "report_graph_break", graphs.append)
+    monkeypatch.setattr(kimi_cg_backend, "report_graph_break", graphs.append)
     return torch.compile(model, backend="kimi_cg"), graphs
 
 
@@ -44,12 +46,12 @@ def test_mark_repeated_blocks_marks_the_block_class_once(monkeypatch):
     model = MoonVitPretrainedModel(MoonVitConfig.tiny(num_hidden_layers=3)).eval()
     before = MoonVitEncoderLayer.forward
     if not NEW_TORCH:  # torch 2.11 reuses no traced block: nothing is marked
-        assert kimi_cg.mark_repeated_blocks(model) == [] and MoonVitEncoderLayer.forward is before
+        assert mark_repeated_blocks(model) == [] and MoonVitEncoderLayer.forward is before
         return
-    assert kimi_cg.mark_repeated_blocks(model) == [MoonVitEncoderLayer]
+    assert mark_repeated_blocks(model) == [MoonVitEncoderLayer]
     marked = MoonVitEncoderLayer.forward
     assert marked is not before and hasattr(marked, "__marked_compile_region_fn__")
-    assert kimi_cg.mark_repeated_blocks(model) == [MoonVitEncoderLayer] and MoonVitEncoderLayer.forward is marked
+    assert mark_repeated_blocks(model) == [MoonVitEncoderLayer] and MoonVitEncoderLayer.forward is marked
 
 
 def test_marked_blocks_are_inlined_and_lifted(monkeypatch):
@@ -176,7 +178,7 @@ def test_blocks_with_their_own_forward_are_not_marked(monkeypatch):
     for block in model.encoder.blocks:  # as hooks that wrap each instance do
         block.forward = block.forward
     before = MoonVitEncoderLayer.forward
-    assert kimi_cg.mark_repeated_blocks(model) == [] and MoonVitEncoderLayer.forward is before
+    assert mark_repeated_blocks(model) == [] and MoonVitEncoderLayer.forward is before
 
 
 class _InputWritingBlock(nn.Module):
