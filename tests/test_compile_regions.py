@@ -226,3 +226,36 @@ def test_each_inlined_copy_writes_its_own_input(monkeypatch):
     for clone in clones:
         (group,) = [g for g in groups if clone in g.members]
         assert len(group.writes) == 1 and not any(other in group.members for other in clones if other is not clone)
+
+
+class _BranchingBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:  # a branch on a value: a graph break, so dynamo cannot trace the block whole
+            x = x * 2
+        return self.lin(x)
+
+
+class _BranchingTower(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_BranchingBlock() for _ in range(3))
+
+    def forward(self, x: torch.Tensor, grid_hws: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.skipif(not NEW_TORCH, reason="mark_repeated_blocks marks nothing before torch 2.13")
+@pytest.mark.xfail(strict=True, raises=torch._dynamo.exc.UncapturedHigherOrderOpError,
+                   reason="why mark_repeated_blocks is not public: dynamo never suppresses this error")
+def test_a_marked_block_with_a_graph_break_runs_as_eager_does(monkeypatch):
+    monkeypatch.setattr(_BranchingBlock, "forward", _BranchingBlock.forward)
+    model = _BranchingTower().eval()
+    assert mark_repeated_blocks(model) == [_BranchingBlock]
+    x, grid = torch.randn(5, 8), torch.tensor([[1, 5]])
+    torch.testing.assert_close(torch.compile(model, backend="kimi_cg")(x, grid), model(x, grid))
