@@ -111,6 +111,30 @@ def test_graph_replays_match_eager_bf16(tower, size, count):
             captures_after_warm_up=counters.get("captures", 0) - warm.get("captures", 0))
 
 
+def test_blocks_marked_as_regions_replay_graphs_bf16(monkeypatch):
+    """NOTE [compile regions inlined]: a tiny MoonViT whose blocks are nested compile regions (marked by hand:
+    kimi_cg.warmup.mark_repeated_blocks marks nothing before torch 2.13) is lifted and replays bucket graphs
+    in a NaN-poisoned pool, within the bf16 rule against an fp32 reference."""
+    from kimi_cg.models.moonvit import MoonVitEncoderLayer
+
+    monkeypatch.setattr(MoonVitEncoderLayer, "forward", torch.compiler.nested_compile_region(MoonVitEncoderLayer.forward))
+    torch.manual_seed(0)
+    reference = MoonVitPretrainedModel(MoonVitConfig.tiny(num_hidden_layers=4)).cuda().eval()  # fp32
+    model = copy.deepcopy(reference).to(torch.bfloat16)
+    options = {"poison_graph_pool": True, "token_budgets": [512, 1024, 2048]}
+    compiled = torch.compile(model, backend="kimi_cg", options=options)
+    buckets = KimiCGConfig.from_options(options).buckets()
+    strategy = kimi_cg.testing.grids(dims=2, max_items=4, max_side=32, max_patches=max(buckets), table_size=8,
+                                     buckets=buckets)
+    report = kimi_cg.testing.assert_matches_eager(model, compiled, pixel_inputs("cuda", torch.bfloat16), strategy,
+                                                  reference=reference, max_examples=40, no_graph_breaks=True,
+                                                  no_fallbacks=True)
+    counters = dict(kimi_cg.counters)
+    _record("moonvit-tiny-regions", report, counters)
+    assert counters.get("compile_region_calls_inlined", 0) >= 4, counters
+    assert counters.get("lift_fallbacks", 0) == 0 and counters.get("graph_replays", 0) > 0, counters
+
+
 def test_repeated_single_images_replay_exact_size_graphs_bf16():
     """NOTE [exact-size graphs]: real-size MoonViT, single images repeated; from a size's third call
     it replays a graph of its exact rows with cuDNN attention, in a NaN-poisoned pool, within the
