@@ -40,6 +40,16 @@ part of guards), so kimi_cg scopes them itself:
    limit before any callback runs, so it cannot be scoped to one compile; it changes no trace, only
    how many graphs a frame may keep.
 
+NOTE [regions fall back]
+A block marked as a nested compile region (NOTE [compile regions inlined]) that dynamo cannot trace whole
+(a graph break inside it, e.g. a branch on a tensor's value) makes dynamo raise
+``UncapturedHigherOrderOpError``, which it never suppresses: the call would fail where eager runs. Dynamo
+treats most other higher-order ops' failures as graph breaks (their variable class has
+``_ALLOW_FALLBACK_TO_EAGER``); while it traces a kimi_cg frame, the start callback sets that flag on
+``invoke_subgraph``'s variable class too and the end callback restores it, so such a block becomes a graph
+break at its call (it runs outside the graph, as dynamo's own fallback runs it) and no other compile
+sees the change.
+
 NOTE [settings ladder]
 An op whose output size depends on data (``repeat_interleave`` by a tensor, ``nonzero``) gives a
 tensor of unbacked length. Code that then needs that length as a Python int fails under the full
@@ -246,6 +256,7 @@ def _on_compile_start(_args) -> None:
     patch = torch._dynamo.config.patch(**(SCALAR_SETTINGS if code is not None and code in _traced_with_scalars else DYNAMO_SETTINGS))
     patch.__enter__()
     _state.patch, _state.code, _state.error_at_start = patch, code, sys.exc_info()[1]
+    _state.region_fallback = _let_regions_fall_back()  # NOTE [regions fall back]
     _state.marked = _mark_leading_dims_dynamic(code, local_vars.get("locals"))
     _state.flash_path_taken = False
     from kimi_cg import attention_substitutes
@@ -259,6 +270,8 @@ def _on_compile_end(_args) -> None:
         return
     _state.patch = None
     patch.__exit__(None, None, None)
+    _restore_region_fallback(getattr(_state, "region_fallback", None))
+    _state.region_fallback = None
     _unmark(_state.marked)
     error = sys.exc_info()[1]  # the compile's own error, when it is propagating (the callback runs in a finally)
     code = _state.code
@@ -531,6 +544,38 @@ def clear() -> None:
     _codes_without_flash_path.clear()
     _eager_runs.clear()
     _restore_suppress_errors()
+
+
+def _region_variable_class():
+    """Dynamo's variable class for ``invoke_subgraph`` calls (its module moved after torch 2.11), or None."""
+    for module in ("torch._dynamo.variables.invoke_subgraph", "torch._dynamo.variables.higher_order_ops"):
+        try:
+            cls = getattr(importlib.import_module(module), "InvokeSubgraphHigherOrderVariable", None)
+        except ImportError:
+            cls = None
+        if cls is not None and isinstance(getattr(cls, "_ALLOW_FALLBACK_TO_EAGER", None), bool):
+            return cls
+    return None
+
+
+def _let_regions_fall_back():
+    """NOTE [regions fall back]: (class, its flag before) when the flag was set, else None."""
+    cls = _region_variable_class()
+    if cls is None:
+        return None
+    before = cls.__dict__.get("_ALLOW_FALLBACK_TO_EAGER")
+    cls._ALLOW_FALLBACK_TO_EAGER = True
+    return cls, before
+
+
+def _restore_region_fallback(saved) -> None:
+    if saved is None:
+        return
+    cls, before = saved
+    if before is None:
+        del cls._ALLOW_FALLBACK_TO_EAGER  # inherited before
+    else:
+        cls._ALLOW_FALLBACK_TO_EAGER = before
 
 
 def _is_graph_break(error: BaseException) -> bool:

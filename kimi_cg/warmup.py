@@ -103,11 +103,12 @@ def mark_repeated_blocks(model: torch.nn.Module) -> list[type]:
     it has). On torch older than 2.13 it marks nothing (measured on 2.11: each count traced ~7% slower with
     the marks) and says so in the log.
 
-    Not public yet (``scripts/trace_bench.py --blocks-as-regions`` measures it): a block dynamo cannot
-    trace whole (a graph break inside it, e.g. a branch on a tensor's value) makes dynamo raise
-    ``UncapturedHigherOrderOpError``, which it never falls back from, so the call fails where eager
-    runs. Before kimi_cg marks blocks for its users it must catch that and trace the call again without
-    the marks."""
+    Not public yet (``scripts/trace_bench.py --blocks-as-regions`` measures it): checked on kimi_cg's
+    MoonViT only. A block dynamo cannot trace whole becomes a graph break (NOTE [regions fall back]); a
+    block that binds a symbol from a value that differs between calls makes its graph run unlifted (NOTE
+    [compile regions inlined]), slower than without the marks. Before it is public: the foreign towers
+    with marked blocks, and the warm-up on a GPU host with torch >= 2.13.
+    """
     if tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13):
         logger.info("kimi_cg.mark_repeated_blocks: torch %s reuses no traced block (2.11 measured); nothing marked",
                     torch.__version__)
