@@ -44,7 +44,11 @@ def storage_key(node: torch.fx.Node, value=None):
     key = node.meta.get(ALIAS_KEY)
     if key is not None:
         return key
-    value = example_value(node) if value is None else value
+    return value_storage(example_value(node) if value is None else value)
+
+
+def value_storage(value) -> StorageWeakRef | None:
+    """The storage of a traced tensor value; None for anything else."""
     if not isinstance(value, torch.Tensor):
         return None
     try:

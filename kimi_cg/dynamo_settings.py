@@ -139,6 +139,9 @@ from kimi_cg.fallback import record_fallback
 logger = logging.getLogger(__name__)
 
 DYNAMO_SETTINGS = {"capture_scalar_outputs": True, "capture_dynamic_output_shape_ops": True}
+TORCH_2_13 = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+"""Whether this torch is 2.13 or newer (per-thread config, no list_cmp patch, nested compile regions reused)."""
+
 SCALAR_SETTINGS = {"capture_scalar_outputs": True, "capture_dynamic_output_shape_ops": False}  # NOTE [settings ladder]
 MIN_RECOMPILE_LIMIT = 64
 
@@ -512,7 +515,7 @@ _UNBACKED_ERRORS = {"GuardOnDataDependentSymNode", "DataDependentOutputException
 # when the next compile starts (or by kimi_cg.reset()). Before torch 2.13 config is process-wide, so
 # any thread's next compile puts it back; from 2.13 on it is per thread, and the thread that set it
 # puts its own value back.
-_CONFIG_IS_PER_THREAD = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+_CONFIG_IS_PER_THREAD = TORCH_2_13
 _suppressed: dict[int, bool] = {}  # thread id -> suppress_errors before kimi_cg set it
 _suppressed_lock = threading.Lock()
 
@@ -618,7 +621,7 @@ def _list_vs_tuple_aware(original):
 
 def _patch_list_compare() -> None:
     """NOTE [list vs torch.Size]."""
-    if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13):
+    if TORCH_2_13:
         return
     polyfills = importlib.import_module("torch._dynamo.polyfills")
     original = getattr(polyfills, "list_cmp", None)

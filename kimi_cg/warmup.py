@@ -23,6 +23,7 @@ import torch
 
 from kimi_cg.capture import input_rows_dim
 from kimi_cg.counters import counters, timings
+from kimi_cg.dynamo_settings import TORCH_2_13
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ def mark_repeated_blocks(model: torch.nn.Module) -> list[type]:
     [compile regions inlined]), slower than without the marks. Before it is public: the foreign towers
     with marked blocks, and the warm-up on a GPU host with torch >= 2.13.
     """
-    if tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13):
+    if not TORCH_2_13:
         logger.info("kimi_cg.mark_repeated_blocks: torch %s reuses no traced block (2.11 measured); nothing marked",
                     torch.__version__)
         return []

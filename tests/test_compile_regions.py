@@ -11,6 +11,7 @@ import kimi_cg
 import kimi_cg.backend as kimi_cg_backend
 from kimi_cg.models import MoonVitConfig, MoonVitPretrainedModel
 from kimi_cg.models.moonvit import MoonVitEncoderLayer
+from kimi_cg.dynamo_settings import TORCH_2_13
 from kimi_cg.warmup import mark_repeated_blocks
 
 GRIDS = [[[4, 6]], [[6, 4], [2, 8]], [[8, 8], [4, 4], [2, 6]], [[2, 2], [6, 6]]]
@@ -38,14 +39,11 @@ def _regions_in(graphs) -> int:
     return sum(node.target is torch.ops.higher_order.invoke_subgraph for gm in graphs for node in gm.graph.nodes)
 
 
-NEW_TORCH = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
-
-
 def test_mark_repeated_blocks_marks_the_block_class_once(monkeypatch):
     monkeypatch.setattr(MoonVitEncoderLayer, "forward", MoonVitEncoderLayer.forward)  # undone after the test
     model = MoonVitPretrainedModel(MoonVitConfig.tiny(num_hidden_layers=3)).eval()
     before = MoonVitEncoderLayer.forward
-    if not NEW_TORCH:  # torch 2.11 reuses no traced block: nothing is marked
+    if not TORCH_2_13:  # torch 2.11 reuses no traced block: nothing is marked
         assert mark_repeated_blocks(model) == [] and MoonVitEncoderLayer.forward is before
         return
     assert mark_repeated_blocks(model) == [MoonVitEncoderLayer]
@@ -171,7 +169,7 @@ def test_regions_that_bind_unbacked_symbols(monkeypatch, same_lengths):
         assert counters.get("lift_fallbacks", 0) > 0 and "nested compile region kimi_cg cannot inline" in kimi_cg.fallbacks
 
 
-@pytest.mark.skipif(not NEW_TORCH, reason="mark_repeated_blocks marks nothing before torch 2.13")
+@pytest.mark.skipif(not TORCH_2_13, reason="mark_repeated_blocks marks nothing before torch 2.13")
 def test_blocks_with_their_own_forward_are_not_marked(monkeypatch):
     monkeypatch.setattr(MoonVitEncoderLayer, "forward", MoonVitEncoderLayer.forward)
     model = MoonVitPretrainedModel(MoonVitConfig.tiny(num_hidden_layers=2)).eval()

@@ -130,7 +130,7 @@ def test_trace_bench_runs_on_cpu(tmp_path, by_shape, regions):
     report = json.loads(out.read_text())
     assert [c["items"] for c in report["counts"]] == [1, 2, 3] and report["resize_by_shape"] == by_shape
     assert (report["counters"].get("resizes_traced_by_shape", 0) > 0) == by_shape
-    if regions and tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13):
+    if regions and dynamo_settings.TORCH_2_13:
         assert report["blocks_as_regions"] == ["MoonVitEncoderLayer"]
         assert report["max_abs_difference_vs_eager_at_the_largest_count"] <= 1e-5
     else:

@@ -39,7 +39,7 @@ import torch
 import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from kimi_cg.aliasing import ALIAS_KEY, Aliasing, storage_key, written_arguments
+from kimi_cg.aliasing import ALIAS_KEY, Aliasing, storage_key, value_storage, written_arguments
 from kimi_cg.canonicalize.base import GraphPass
 from kimi_cg.capture import example_value
 from kimi_cg.counters import counters
@@ -62,15 +62,6 @@ def _refuse(message: str, node: torch.fx.Node):
     raise UnsupportedGraphError(f"nested compile region {node.name}: {message}", _REASON)
 
 
-def _storage(value) -> StorageWeakRef | None:
-    if not isinstance(value, torch.Tensor):
-        return None
-    try:
-        return StorageWeakRef(value.untyped_storage())
-    except (NotImplementedError, RuntimeError):
-        return None
-
-
 class InlineRegionsPass(GraphPass):
     name = "inline_compile_regions"
 
@@ -83,9 +74,10 @@ class InlineRegionsPass(GraphPass):
         operands_by_subgraph: dict[str, list] = {}  # every call's operands, taken before any call is inlined
         for call in calls:
             operands_by_subgraph.setdefault(getattr(call.args[0], "target", None), []).append(tuple(call.args[2:]))
-        shared: dict[str, dict] = {}  # subgraph -> its first copy's call-invariant nodes
+        invariant: dict[str, set] = {}  # subgraph -> its nodes that compute the same value in every call
+        shared: dict[str, dict] = {}  # subgraph -> its first copy of each of those nodes
         for copy_index, call in enumerate(calls):
-            self._inline(gm, call, copy_index, operands_by_subgraph, written, shared)
+            self._inline(gm, call, copy_index, operands_by_subgraph, written, invariant, shared)
         for node in list(gm.graph.nodes):
             if node.op == "get_attr" and not node.users and isinstance(getattr(gm, node.target, None),
                                                                        torch.fx.GraphModule):
@@ -94,7 +86,7 @@ class InlineRegionsPass(GraphPass):
         return {"calls": len(calls)}
 
     def _inline(self, gm: torch.fx.GraphModule, call: torch.fx.Node, copy_index: int, operands_by_subgraph,
-                written, shared: dict) -> None:
+                written, invariant_by_subgraph: dict, shared: dict) -> None:
         holder, _identifier, *operands = call.args
         if call.kwargs or not isinstance(holder, torch.fx.Node) or holder.op != "get_attr":
             _refuse("the call's form", call)
@@ -106,7 +98,10 @@ class InlineRegionsPass(GraphPass):
         for node in body:
             if node.op not in ("call_function", "call_method"):
                 _refuse(f"a {node.op} node ({node.name}) in its subgraph", call)
-        invariant = _invariant_nodes(subgraph, placeholders, operands_by_subgraph[holder.target], written, call)
+        if holder.target not in invariant_by_subgraph:
+            invariant_by_subgraph[holder.target] = _invariant_nodes(
+                subgraph, placeholders, operands_by_subgraph[holder.target], written, call)
+        invariant = invariant_by_subgraph[holder.target]
         (output,) = [n for n in subgraph.graph.nodes if n.op == "output"]
         results = output.args[0]
         if not isinstance(results, (tuple, list)) or not all(isinstance(r, torch.fx.Node) for r in results):
@@ -124,13 +119,13 @@ class InlineRegionsPass(GraphPass):
         # graph's result node's for the values returned (views of them after the call already use it).
         keys: dict[StorageWeakRef, object] = {}
         for placeholder, operand in zip(placeholders, operands):
-            storage = _storage(example_value(placeholder))
+            storage = value_storage(example_value(placeholder))
             if storage is not None and storage in keys:  # another call may pass tensors that do not alias
                 _refuse("two inputs that share storage", call)
             if storage is not None and isinstance(operand, torch.fx.Node):
                 keys[storage] = storage_key(operand)
         for user, index in users.items():
-            storage, key = _storage(example_value(results[index])), storage_key(user)
+            storage, key = value_storage(example_value(results[index])), storage_key(user)
             if storage is not None and key is not None and keys.setdefault(storage, key) != key:
                 _refuse(f"result {index} shares storage with another input or result", call)
         env: dict[torch.fx.Node, object] = dict(zip(placeholders, operands))
@@ -143,7 +138,7 @@ class InlineRegionsPass(GraphPass):
                 copied = gm.graph.node_copy(node, lambda n: env[n])
                 if node in invariant:
                     first[node] = copied
-                storage = _storage(example_value(node))
+                storage = value_storage(example_value(node))
                 if storage is not None:
                     copied.meta[ALIAS_KEY] = keys.get(storage, (copy_index, storage))
                 env[node] = copied
