@@ -37,6 +37,7 @@ from kimi_cg.capture import example_value
 from kimi_cg.counters import counters
 from kimi_cg.errors import InvalidInputError, UnsupportedGraphError
 from kimi_cg.lift import Program, source_location
+from kimi_cg.runtime import gather_plan
 from kimi_cg.runtime.memory import metadata_store
 from kimi_cg.runtime.state_tokens import state_tokens
 from kimi_cg.runtime.table_rows import TABLE_ROWS, table_source
@@ -465,6 +466,36 @@ def merge_repeated_reads(gm: torch.fx.GraphModule) -> int:
     return merged
 
 
+def slice_offsets_from_integers(gm: torch.fx.GraphModule) -> int:
+    """The merge gather's storage-offset reads (dynamo checks ``offset >= 0`` for every per-item slice
+    of the packed rows) computed from the slice's integers instead of a reduction over its index
+    (three tensor ops per item per call); returns how many."""
+    graph = gm.graph
+    changed = 0
+    for node in list(graph.nodes):
+        if not (node.op == "call_function" and node.target is gather_plan.row_storage_offset and len(node.args) == 1):
+            continue
+        piece = node.args[0]
+        if not (isinstance(piece, torch.fx.Node) and piece.target is gather_plan.row_getitem and len(piece.args) == 2
+                and not piece.kwargs):
+            continue
+        source, item = piece.args
+        item = item[0] if isinstance(item, tuple) and len(item) == 1 else item
+        if not (isinstance(source, torch.fx.Node) and source.target is gather_plan.row_source
+                and len(source.args[0]) == 1 and isinstance(item, slice) and item.step in (None, 1)):
+            continue
+        with graph.inserting_before(node):
+            offset = graph.call_function(gather_plan.row_slice_offset,
+                                         (item.start, item.stop, source.args[0][0], source.args[1]))
+        offset.meta.update(node.meta)
+        node.replace_all_uses_with(offset)
+        graph.erase_node(node)
+        changed += 1
+    if changed:
+        gm.recompile()
+    return changed
+
+
 class HostProgram:
     """Runs the host program; maps failures to InvalidInputError naming the grid items involved."""
 
@@ -485,6 +516,7 @@ class HostProgram:
                 if not any(isinstance(a, torch.fx.Node) and a in grid_nodes for a in node.all_input_nodes):
                     const_nodes.add(node)
         self.direct_calls = call_host_functions(self.gm)
+        self.slice_offsets = slice_offsets_from_integers(self.gm)
         self.items_cached = install_item_cache(self.gm, grid_nodes, const_nodes, owner, cache_bytes)
         self.grid_reads = read_grids_once(self.gm, grid_nodes)
         self.reads_merged = merge_repeated_reads(self.gm)

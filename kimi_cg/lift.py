@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import logging
 import operator
 from typing import Any
@@ -124,6 +125,14 @@ def register_size_expression(expr: sympy.Expr) -> tuple[int, tuple[str, ...]]:
 
 def evaluate_size(expression_id: int, *values: int) -> int:
     """Host/post stand-in for a size query on a device tensor: the expression over dynamic sizes."""
+    expr, symbols = _SIZE_EXPRESSIONS[expression_id]
+    if expr.is_Symbol:  # the common case (a tensor's row count), without sympy: it runs every call
+        return int(values[0])
+    return _substituted(expression_id, values)
+
+
+@functools.lru_cache(maxsize=4096)
+def _substituted(expression_id: int, values: tuple) -> int:
     expr, symbols = _SIZE_EXPRESSIONS[expression_id]
     return int(expr.xreplace(dict(zip(symbols, values))))
 

@@ -185,6 +185,13 @@ def row_storage_offset(rows: RowCombination) -> int:
     return 0 if smallest == torch.iinfo(index.dtype).max else smallest * rows.dim
 
 
+def row_slice_offset(start, stop, total: int, dim: int) -> int:
+    """``row_storage_offset(row_getitem(row_source((total,), dim), slice(start, stop)))`` from the integers
+    alone (the slice's first row, as the index would give it)."""
+    first, end, _ = slice(start, stop).indices(total)
+    return first * dim if end > first else 0
+
+
 def pack_rows(exits: list[RowCombination]) -> RowPlan:
     terms = max(rows.index.shape[-1] for rows in exits)
     flat = [_pad_terms(rows, terms) for rows in exits]

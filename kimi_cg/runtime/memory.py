@@ -49,14 +49,17 @@ def _storages(value) -> dict:
             found[(item.device, storage.data_ptr())] = storage.nbytes()
         elif isinstance(item, (tuple, list)):
             stack.extend(item)
-        elif dataclasses.is_dataclass(item) and not isinstance(item, type):  # a host stand-in (TableRows)
-            stack.extend(getattr(item, name) for name in _field_names(type(item)))
+        else:
+            names = _field_names(type(item))  # a host stand-in (TableRows, RowCombination): its fields
+            if names:
+                stack.extend(getattr(item, name) for name in names)
     return found
 
 
 @functools.lru_cache(maxsize=None)
 def _field_names(kind: type) -> tuple[str, ...]:
-    return tuple(field.name for field in dataclasses.fields(kind))
+    """A dataclass's field names; () for any other type (cached per type: a put walks many values)."""
+    return tuple(field.name for field in dataclasses.fields(kind)) if dataclasses.is_dataclass(kind) else ()
 
 
 BATCH_FRACTION = 0.5
@@ -113,7 +116,6 @@ class MetadataStore:
         size = sum(storages.values())
         by_device = {}
         for (device, _), nbytes in storages.items():
-            device = str(device)
             by_device[device] = by_device.get(device, 0) + nbytes
         with self._lock:
             share = min(share, self.budget)
@@ -174,7 +176,8 @@ class MetadataStore:
         with self._lock:
             by_device = collections.Counter()
             for entry in self._entries.values():
-                by_device.update(entry.by_device)
+                for device, nbytes in entry.by_device.items():
+                    by_device[str(device)] += nbytes
             return {"budget_bytes": self.budget, "bytes": self._group_bytes[("process",)], "entries": len(self._entries),
                     "evictions": self.evictions, "by_device": dict(by_device),
                     "by_pool": {group[1]: n for group, n in self._group_bytes.items() if group[0] == "pool" and n},

@@ -1,0 +1,78 @@
+"""The host pass's per-call shortcuts: each computes what the step it replaces computed, from integers."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import sympy
+import torch
+
+import kimi_cg
+import kimi_cg.testing
+from kimi_cg.lift import evaluate_size, register_size_expression
+from kimi_cg.models import MoonViT3dConfig, MoonViT3dPretrainedModel, MoonVitConfig, MoonVitPretrainedModel
+from kimi_cg.runtime import gather_plan
+from kimi_cg.runtime.memory import MetadataStore, _storages
+from kimi_cg.runtime.runner import live_runners
+from kimi_cg.runtime.table_rows import TableRows
+from kimi_cg.testing.targets import pixel_inputs
+
+
+def test_slice_offsets_from_integers_equal_the_index_reduction():
+    """row_slice_offset gives what row_storage_offset of the same slice of a row source gives, for every
+    slice Python allows: negative, empty, past the end, None."""
+    bounds = (None, -12, -3, 0, 2, 7, 10, 15)
+    for total, start, stop in itertools.product((0, 1, 5, 10), bounds, bounds):
+        piece = gather_plan.row_getitem(gather_plan.row_source((total,), 4), slice(start, stop))
+        assert gather_plan.row_slice_offset(start, stop, total, 4) == gather_plan.row_storage_offset(piece), (total, start, stop)
+
+
+def _host_programs():
+    return [runner.host for runner in live_runners() if runner.host is not None]
+
+
+def test_compiled_towers_read_slice_offsets_from_integers_and_match_eager():
+    """MoonViT's and MoonViT3d's merge gathers check every per-item slice's storage offset; the host
+    programs read them from integers (no row_storage_offset left) and the outputs equal eager's."""
+    for model, grids in (
+        (MoonVitPretrainedModel(MoonVitConfig.tiny()).eval(), [[[4, 6], [2, 8]], [[6, 4], [8, 2], [2, 2]]]),
+        (MoonViT3dPretrainedModel(MoonViT3dConfig.tiny()).eval(), [[[1, 4, 6], [2, 2, 8]], [[3, 6, 4], [1, 8, 2]]]),
+    ):
+        torch.manual_seed(0)
+        compiled = torch.compile(model, backend="kimi_cg", options={"cuda_graphs": True, "token_budgets": [256, 1024]})
+        kimi_cg.testing.assert_matches_eager(model, compiled, pixel_inputs("cpu", torch.float32), grids=grids,
+                                             no_fallbacks=True)
+        hosts = _host_programs()
+        assert sum(host.slice_offsets for host in hosts) > 0
+        for host in hosts:
+            assert not any(node.target is gather_plan.row_storage_offset for node in host.gm.graph.nodes), host.gm.code
+
+
+def test_evaluate_size_matches_sympy():
+    s0, s1 = sympy.Symbol("s0", integer=True), sympy.Symbol("s1", integer=True)
+    single, _ = register_size_expression(s0)
+    compound, _ = register_size_expression(s0 * s1 + 3 * s1)
+    for a, b in itertools.product((0, 1, 7, 1024), (1, 5)):
+        assert evaluate_size(single, a) == a
+        assert evaluate_size(compound, a, b) == a * b + 3 * b
+        assert type(evaluate_size(compound, a, b)) is int
+
+
+@dataclasses.dataclass
+class _Pair:
+    first: torch.Tensor
+    second: torch.Tensor
+    count: int
+
+
+def test_metadata_store_counts_stand_ins_by_their_distinct_storages():
+    index = torch.zeros(10, 8, dtype=torch.int32)
+    rows = TableRows(index, torch.zeros(10, 8), 1, 64, 4)
+    pair = _Pair(index[:5], torch.zeros(3, dtype=torch.float64), 3)
+    found = _storages((rows, [pair, 7], "text"))
+    assert sorted(found.values()) == [24, 320, 320]  # index counted once (pair.first is a view of it)
+    store = MetadataStore(1 << 20)
+    store.put(("item", 1), (rows, pair), "default", 1 << 20)
+    report = store.report()
+    assert report["bytes"] == 664 and report["by_device"] == {"cpu": 664}
