@@ -31,7 +31,7 @@ class RowCombination:
     """
 
     index: torch.Tensor
-    weight: torch.Tensor
+    weight: torch.Tensor | None  # None: every weight 1 (slices and views of the source)
     dim: int
 
     @property
@@ -39,7 +39,11 @@ class RowCombination:
         return tuple(self.index.shape[:-1]) + (self.dim,)
 
     def map(self, fn) -> "RowCombination":
-        return RowCombination(fn(self.index), fn(self.weight), self.dim)
+        return RowCombination(fn(self.index), None if self.weight is None else fn(self.weight), self.dim)
+
+
+def _weights(rows: RowCombination) -> torch.Tensor:
+    return torch.ones(rows.index.shape, dtype=torch.float64) if rows.weight is None else rows.weight
 
 
 @dataclasses.dataclass
@@ -65,7 +69,7 @@ def _keep_last(rows: RowCombination, dims, op: str) -> None:
 def row_source(leading: tuple[int, ...], dim: int) -> RowCombination:
     count = math.prod(leading)
     index = torch.arange(count, dtype=torch.int64).view(*leading, 1)
-    return RowCombination(index, torch.ones(index.shape, dtype=torch.float64), dim)
+    return RowCombination(index, None, dim)
 
 
 def row_getitem(rows: RowCombination, item) -> RowCombination:
@@ -139,7 +143,7 @@ def row_mean(rows: RowCombination, dim, keepdim: bool = False, dtype=None) -> Ro
     d = _normalize_dim(dims[0], rows.index.dim())
     count = rows.index.shape[d]
     index = rows.index.movedim(d, -2).flatten(-2)
-    weight = rows.weight.movedim(d, -2).flatten(-2) / count
+    weight = _weights(rows).movedim(d, -2).flatten(-2) / count
     result = RowCombination(index, weight, rows.dim)
     return result.map(lambda t: t.unsqueeze(d)) if keepdim else result
 
@@ -154,7 +158,7 @@ def padded_terms(index: torch.Tensor, weight: torch.Tensor, terms: int) -> tuple
 def _pad_terms(rows: RowCombination, terms: int) -> RowCombination:
     if terms == rows.index.shape[-1]:
         return rows
-    return RowCombination(*padded_terms(rows.index, rows.weight, terms), rows.dim)
+    return RowCombination(*padded_terms(rows.index, _weights(rows), terms), rows.dim)
 
 
 def row_cat(tensors, dim: int = 0) -> RowCombination:
@@ -162,9 +166,8 @@ def row_cat(tensors, dim: int = 0) -> RowCombination:
     _keep_last(tensors[0], (dim,), "cat")
     terms = max(t.index.shape[-1] for t in tensors)
     padded = [_pad_terms(t, terms) for t in tensors]
-    return RowCombination(
-        torch.cat([t.index for t in padded], dim=dim), torch.cat([t.weight for t in padded], dim=dim), tensors[0].dim
-    )
+    weight = None if all(t.weight is None for t in padded) else torch.cat([_weights(t) for t in padded], dim=dim)
+    return RowCombination(torch.cat([t.index for t in padded], dim=dim), weight, tensors[0].dim)
 
 
 def row_size(rows, dim: int) -> int:
@@ -200,7 +203,10 @@ def pack_rows(exits: list[RowCombination]) -> RowPlan:
         offsets.append(total)
         total += math.prod(rows.index.shape[:-1])
     index = torch.cat([rows.index.reshape(-1, terms) for rows in flat])
-    weight = torch.cat([rows.weight.reshape(-1, terms) for rows in flat]).to(torch.float32)
+    if all(rows.weight is None for rows in flat):
+        weight = torch.ones(index.shape, dtype=torch.float32)
+    else:
+        weight = torch.cat([_weights(rows).reshape(-1, terms) for rows in flat]).to(torch.float32)
     return RowPlan(index, weight, offsets, [tuple(rows.index.shape[:-1]) for rows in exits])
 
 

@@ -48,7 +48,9 @@ class TableRows:
     sum_k weight[..., k] * table_rows[index[..., k], f]; index -1 contributes nothing."""
 
     index: torch.Tensor  # the real shape with the feature dim as 1, then K (int32)
-    weight: torch.Tensor  # float32, the same shape (a bicubic's tap weights rounded once, from float64)
+    # float32, the same shape (a bicubic's tap weights rounded once, from float64); None: every weight 1
+    # (slices and views of the table: movement ops then skip the weights, ``weights`` makes them)
+    weight: torch.Tensor | None
     axis: int
     dim: int
     # 0: the K terms as listed. n > 0: the terms are the pairs (i, j) of the first n entries and the
@@ -67,7 +69,12 @@ class TableRows:
         return tuple(shape)
 
     def map(self, fn, axis: int) -> "TableRows":
-        return TableRows(fn(self.index), fn(self.weight), axis, self.dim, self.outer)
+        return TableRows(fn(self.index), None if self.weight is None else fn(self.weight), axis, self.dim, self.outer)
+
+
+def weights(rows: TableRows) -> torch.Tensor:
+    """The read's weights as a tensor (ones where the stand-in keeps none)."""
+    return torch.ones(rows.index.shape, dtype=torch.float32) if rows.weight is None else rows.weight
 
 
 def listed_terms(rows: TableRows) -> TableRows:
@@ -77,7 +84,8 @@ def listed_terms(rows: TableRows) -> TableRows:
     n = rows.outer
     first, second = rows.index[..., :n].unsqueeze(-1), rows.index[..., n:].unsqueeze(-2)
     index = torch.where((first >= 0) & (second >= 0), first + second, -1).flatten(-2)
-    weight = (rows.weight[..., :n].unsqueeze(-1) * rows.weight[..., n:].unsqueeze(-2)).flatten(-2)
+    weight = None if rows.weight is None else (
+        rows.weight[..., :n].unsqueeze(-1) * rows.weight[..., n:].unsqueeze(-2)).flatten(-2)
     return TableRows(index, weight, rows.axis, rows.dim)
 
 
@@ -101,7 +109,7 @@ def table_source(leading: tuple[int, ...], dim: int) -> TableRows:
     op below makes new tensors or views), so host programs share one per table shape."""
     count = math.prod(leading)
     index = torch.arange(count, dtype=torch.int32).view(*leading, 1, 1)
-    return TableRows(index, torch.ones(index.shape, dtype=torch.float32), len(leading), dim)
+    return TableRows(index, None, len(leading), dim)
 
 
 def permute_axis(ndim: int, axis: int, dims) -> int:
@@ -245,7 +253,7 @@ def table_getitem(rows: TableRows, item) -> TableRows:
 def _pad_terms(rows: TableRows, terms: int) -> TableRows:
     if terms == rows.index.shape[-1]:
         return rows
-    return TableRows(*padded_terms(rows.index, rows.weight, terms), rows.axis, rows.dim)
+    return TableRows(*padded_terms(rows.index, weights(rows), terms), rows.axis, rows.dim)
 
 
 def table_cat(tensors, dim: int = 0) -> TableRows:
@@ -262,8 +270,10 @@ def table_cat(tensors, dim: int = 0) -> TableRows:
         listed = [listed_terms(t) for t in tensors]
         terms = max(t.index.shape[-1] for t in listed)
         padded, outer = [_pad_terms(t, terms) for t in listed], 0
-    return TableRows(torch.cat([t.index for t in padded], dim=dim), torch.cat([t.weight for t in padded], dim=dim),
-                     first.axis, first.dim, outer)
+    if len(padded) == 1:  # nothing to join (a one-item call): the read itself, never written
+        return TableRows(padded[0].index, padded[0].weight, first.axis, first.dim, outer)
+    weight = None if all(t.weight is None for t in padded) else torch.cat([weights(t) for t in padded], dim=dim)
+    return TableRows(torch.cat([t.index for t in padded], dim=dim), weight, first.axis, first.dim, outer)
 
 
 def cat_outer(outers) -> int:
@@ -303,14 +313,14 @@ def table_bicubic(rows: TableRows, height: int, width: int) -> TableRows:
         weight = tap_weights.float()
     else:
         index = flat_index.index_select(1, positions)
-        weight = (rows.weight.reshape(n, in_h * in_w, terms).index_select(1, positions) * tap_weights).float()
+        weight = (weights(rows).reshape(n, in_h * in_w, terms).index_select(1, positions) * tap_weights).float()
     return TableRows(index.view(n, 1, h, w, 16 * terms), weight.view(n, 1, h, w, 16 * terms), 1, rows.dim)
 
 
-def _reads_each_row_once(flat_index: torch.Tensor, weight: torch.Tensor) -> bool:
+def _reads_each_row_once(flat_index: torch.Tensor, weight: torch.Tensor | None) -> bool:
     """Whether a [1, L, 1] read is rows 0..L-1 in order, each with weight 1 (a view of the source)."""
     count = flat_index.shape[1]
-    return bool(torch.equal(flat_index.view(-1), _arange(count))) and bool((weight == 1).all())
+    return bool(torch.equal(flat_index.view(-1), _arange(count))) and (weight is None or bool((weight == 1).all()))
 
 
 @functools.lru_cache(maxsize=16)
@@ -330,7 +340,7 @@ def affine_grid(rows: TableRows) -> tuple[int, int, int] | None:
     row_step = int(grid[1, 0]) - base if height > 1 else 0
     column_step = int(grid[0, 1]) - base if width > 1 else 0
     expected = (base + torch.arange(height).view(-1, 1) * row_step + torch.arange(width).view(1, -1) * column_step)
-    if base < 0 or not torch.equal(grid, expected) or not bool((rows.weight == 1).all()):
+    if base < 0 or not torch.equal(grid, expected) or not (rows.weight is None or bool((rows.weight == 1).all())):
         return None
     return base, row_step, column_step
 
@@ -391,4 +401,5 @@ def table_plan_index(rows: TableRows, outer: int = 0) -> torch.Tensor:
 
 def table_plan_weight(rows: TableRows, outer: int = 0) -> torch.Tensor:
     rows = _as_planned(rows, outer)
-    return rows.weight.reshape(-1, rows.weight.shape[-1])
+    weight = weights(rows)
+    return weight.reshape(-1, weight.shape[-1])
