@@ -125,8 +125,8 @@ def register_size_expression(expr: sympy.Expr) -> tuple[int, tuple[str, ...]]:
 
 def evaluate_size(expression_id: int, *values: int) -> int:
     """Host/post stand-in for a size query on a device tensor: the expression over dynamic sizes."""
-    expr, symbols = _SIZE_EXPRESSIONS[expression_id]
-    if expr.is_Symbol:  # the common case (a tensor's row count), without sympy: it runs every call
+    # The common case (a tensor's row count) without sympy: it runs every call.
+    if _SIZE_EXPRESSIONS[expression_id][0].is_Symbol:
         return int(values[0])
     return _substituted(expression_id, values)
 

@@ -107,8 +107,9 @@ def mark_repeated_blocks(model: torch.nn.Module) -> list[type]:
     Not public yet (``scripts/trace_bench.py --blocks-as-regions`` measures it): checked on kimi_cg's
     MoonViT only. A block dynamo cannot trace whole becomes a graph break (NOTE [regions fall back]); a
     block that binds a symbol from a value that differs between calls makes its graph run unlifted (NOTE
-    [compile regions inlined]), slower than without the marks. Before it is public: the foreign towers
-    with marked blocks, and the warm-up on a GPU host with torch >= 2.13.
+    [compile regions inlined]), slower than without the marks: on the foreign towers of
+    tests/test_foreign_towers.py every output stayed equal to eager's, but 7 of 16 lost lifting
+    (docs/benchmarks.md, 2026-12-06). Also unmeasured: the warm-up on a GPU host with torch >= 2.13.
     """
     if not TORCH_2_13:
         logger.info("kimi_cg.mark_repeated_blocks: torch %s reuses no traced block (2.11 measured); nothing marked",

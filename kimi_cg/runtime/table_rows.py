@@ -271,7 +271,7 @@ def table_cat(tensors, dim: int = 0) -> TableRows:
         terms = max(t.index.shape[-1] for t in listed)
         padded, outer = [_pad_terms(t, terms) for t in listed], 0
     if len(padded) == 1:  # nothing to join (a one-item call): the read itself, never written
-        return TableRows(padded[0].index, padded[0].weight, first.axis, first.dim, outer)
+        return padded[0]
     weight = None if all(t.weight is None for t in padded) else torch.cat([weights(t) for t in padded], dim=dim)
     return TableRows(torch.cat([t.index for t in padded], dim=dim), weight, first.axis, first.dim, outer)
 
