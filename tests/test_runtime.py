@@ -49,6 +49,8 @@ def test_bucketed_path_matches_eager_splits_and_falls_back(build, grids):
     # Five items exceed max_items=4: the call is split into replays of 4 and 1 whole items.
     assert kimi_cg.counters["eager_fallbacks"] == 1
     assert kimi_cg.counters["split_calls"] == 1
+    # NOTE [host block]: the replays took their host-made plans and boundaries through the buckets' blocks
+    assert kimi_cg.counters["host_block_copies"] >= kimi_cg.counters["padded_runs"] > 0
 
 
 def test_results_do_not_alias_static_buffers():
@@ -600,3 +602,52 @@ def test_one_model_compiled_with_and_without_length_classes_keeps_each_option():
         assert runs > 0
         assert_matches_eager(without, model, [[4, 6], [2, 8]], 1)
         assert kimi_cg.counters["length_class_runs"] == runs
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_host_block_writes_what_the_plain_fill_writes(device):
+    """NOTE [host block] in kimi_cg/runtime/graphs.py: host-made inputs written through a bucket's host
+    copies (two, used in turn, padding restored only over the rows a copy last wrote) leave every static
+    buffer equal, element for element, to the separate buffers ``_fill`` pads, call after call: more rows
+    then fewer, fewer frames, more and fewer segments, two buckets. On CUDA (pinned copies, one copy per
+    call, no sync between calls) every fifth call brings one plan already on the device: it takes
+    ``_fill``'s path after the block's copy."""
+    from kimi_cg.runtime.graphs import BucketedGraphs, InputRule
+
+    def runtime(host: bool) -> BucketedGraphs:
+        rules = [InputRule("rows"), InputRule("size"), InputRule("cu_seqlens", host=host),
+                 InputRule("plan_index", host=host), InputRule("plan_weight", host=host), InputRule("rows", host=host)]
+        return BucketedGraphs(_Recorder(), rules, buckets=(16, 64), max_items=4, max_frames=3, capture=False)
+
+    blocked, plain = runtime(True), runtime(False)
+    assert blocked.host_block_positions == [2, 3, 4, 5] and plain.host_block_positions == []
+    generator = torch.Generator().manual_seed(0)
+    before = kimi_cg.counters["host_block_copies"]
+    for call in range(40):
+        rows = int(torch.randint(1, 65, (), generator=generator)) if call % 7 else 64
+        items = int(torch.randint(1, 5, (), generator=generator))
+        cuts = sorted(torch.randint(0, rows + 1, (items - 1,), generator=generator).tolist())
+        cu = torch.tensor([0, *cuts, rows], dtype=torch.int32)
+        plan_rows = int(torch.randint(0, rows + 1, (), generator=generator))
+        frames = int(torch.randint(1, 4, (), generator=generator))
+        index = torch.randint(-1, rows, (plan_rows, frames), generator=generator)
+        if device == "cuda" and call % 5 == 4:
+            index = index.to(device)
+        weight = torch.rand(plan_rows, frames, generator=generator)
+        table = torch.randint(0, 100, (rows, 8), generator=generator, dtype=torch.int32)
+        args = [torch.randn(rows, 3, generator=generator).to(device), rows, cu, index, weight, table]
+        capacity = plain.choose(args)
+        assert capacity == blocked.choose(args) and capacity is not None
+        (out,) = blocked.run(args, capacity)
+        assert torch.equal(out, args[0])
+        blocked_args = blocked.program.args
+        plain.run(args, capacity)
+        for position, (got, want) in enumerate(zip(blocked_args, plain.program.args)):
+            if isinstance(want, torch.Tensor):
+                assert got.device == want.device and torch.equal(got, want), (call, position)
+            else:
+                assert got == want
+    assert kimi_cg.counters["host_block_copies"] - before == 40
+    assert all(bucket.host_block is not None and len(bucket.host_block.stages) == 2 for bucket in blocked.buckets.values())
+    assert blocked.host_block_bytes() > 0

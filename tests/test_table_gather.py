@@ -305,8 +305,10 @@ def test_the_graph_that_builds_the_rope_table_runs_once_without_buckets():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned staging needs CUDA")
 def test_plans_staged_through_pinned_memory_on_cuda(monkeypatch):
     """NOTE [pinned staging]: plans of 64 KB or more (2,048+ rows of pairs) go to the device through the
-    runner's pinned slots, also for a split call and for calls queued back to back without a sync
-    (each slot is rewritten only after its copy finished); equal to eager."""
+    runner's pinned slots when no replay takes them from the host (a split call: [[48, 48]] * 2 is over the
+    largest bucket), and replays take them through their buckets' host blocks (NOTE [host block]), also
+    for calls queued back to back without a sync (each slot and host copy is rewritten only after its copy
+    finished); equal to eager."""
     from kimi_cg.runtime.staging import pinned_staging
 
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
@@ -317,7 +319,7 @@ def test_plans_staged_through_pinned_memory_on_cuda(monkeypatch):
     compiled = torch.compile(model, backend="kimi_cg", options={"strict": True, "token_budgets": [256, 1024, 4096],
                                                                 "poison_graph_pool": True, "table_gathers": True})
     grids = [[[48, 48]], [[48, 48]], [[20, 30], [28, 26]], [[16, 16]], [[46, 50], [30, 26], [8, 8]], [[64, 60]],
-             [[50, 46]], [[48, 48], [24, 28]]]
+             [[50, 46]], [[48, 48], [24, 28]], [[48, 48], [48, 48]]]
     inputs = []
     for seed, grid in enumerate(grids):
         grid = torch.tensor(grid)
@@ -331,3 +333,4 @@ def test_plans_staged_through_pinned_memory_on_cuda(monkeypatch):
                 torch.testing.assert_close(_flat(out), _flat(want), atol=1e-5, rtol=1e-5)
     assert kimi_cg.counters["table_gathers"] >= 2 and kimi_cg.counters["call_fallbacks"] == 0
     assert pinned_staging.staged_copies > staged_before
+    assert kimi_cg.counters["host_block_copies"] > 0 and kimi_cg.counters["split_calls"] >= 2

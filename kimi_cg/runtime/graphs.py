@@ -68,6 +68,23 @@ bounded graphs share the buckets' static inputs and pool and copy their outputs 
 graph's output buffers at their end, so a bucket keeps one set of outputs; one that cannot be
 captured turns classes off for the program.
 
+NOTE [host block]
+The host program makes a call's plans and boundaries on the CPU (cu_seqlens, table-gather and
+merge-gather plans: seven tensors for MoonViT). Moved one by one and padded on the GPU, they cost a
+copy each and two or three small kernels each for padding (about thirty launches: ~0.3 ms of host
+time per call on the H100 host, for every replay, seen sizes or not). So a bucket keeps its
+host-made inputs (rules with ``host``, kinds in HOST_BLOCK_KINDS) as views of one device buffer, and
+two host copies of that buffer (pinned on CUDA), used in turn. A call writes its values into the
+next host copy with the padding ``_fill`` would write (every row after the call's rows -1 / 0 for
+plans, zero for rows; boundaries as NOTE [segment tables]), restoring padding only over the rows the
+copy's previous call wrote (each copy keeps, per input, the rows it last wrote), then copies the
+whole buffer to the device in one copy on the current stream, ahead of the replay. A host copy is
+written again only after the event recorded after its copy. The runner leaves these values on the
+host (a replay needs them there) and moves them only when no replay runs (a split, the plain
+program); a value the host program made on the device takes ``_fill``'s path, after the block copy.
+The device buffer is as large as the separate buffers were; the host copies add twice that in
+host memory per bucket (``kimi_cg.memory_report()``).
+
 All buckets share one graph memory pool and are captured largest first (smaller graphs reuse the
 largest one's blocks). Without CUDA the same padded path runs without capture (CPU tests cover
 the padding and slicing logic; only the capture itself needs a GPU).
@@ -80,6 +97,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import math
 import operator
 import threading
 import time
@@ -147,6 +165,7 @@ class InputRule:
     #            "index_size", "unpadded"
     shape: tuple[int, ...] | None = None  # "fixed": the shape every call's value has
     dim: int = 0  # "rows": the dim that holds the rows (NOTE [rows on dim 1] in kimi_cg/capture.py)
+    host: bool = False  # made by the host program (NOTE [host block])
 
 
 def input_rules(program: DeviceProgram, kinds: list[str]) -> list[InputRule]:
@@ -204,6 +223,8 @@ def input_rules(program: DeviceProgram, kinds: list[str]) -> list[InputRule]:
         fixed = _fixed_shape(node) if rules[-1].kind in ("rows", "unpadded") else None
         if fixed is not None and (symbolic or (static_rows is not None and fixed[:1] != (static_rows,))):
             rules[-1] = InputRule("fixed", fixed)
+        if kind == "host":
+            rules[-1] = dataclasses.replace(rules[-1], host=True)
     # A size input that is a row-group index's length (and not the rows) is that index's C / k.
     lengths = {_expr(_leading_size(node)) for node, rule in zip(placeholders, rules) if rule.kind == "row_index"}
     rows_exprs = {_expr(size) for size in symbolic}
@@ -408,10 +429,120 @@ def _copy_outputs(outputs, targets) -> None:
             target.copy_(value)
 
 
+HOST_BLOCK_KINDS = frozenset(("rows", "cu_seqlens", "plan_index", "plan_weight"))
+"""Rules whose host-made values a bucket takes through its host block (NOTE [host block]); "rows" on dim 0."""
+
+HOST_BLOCK_STAGES = 2
+"""Host copies of a bucket's block, used in turn: how many calls of one bucket the host may run ahead
+of the device's copies."""
+
+
+class _Stage:
+    """One host copy of a bucket's block: its bytes, a view per input, and per input the rows the last
+    call wrote there (real data; padding values after them)."""
+
+    __slots__ = ("buffer", "views", "extents", "done")
+
+    def __init__(self, buffer: torch.Tensor, layout: dict):
+        self.buffer = buffer
+        self.views = {position: _view(buffer, *place) for position, place in layout.items()}
+        self.extents = dict.fromkeys(layout, 0)
+        self.done: torch.cuda.Event | None = None
+
+
+def _view(block: torch.Tensor, offset: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    nbytes = math.prod(shape) * dtype.itemsize
+    return block[offset:offset + nbytes].view(dtype).view(shape)
+
+
+class _HostBlock:
+    """NOTE [host block]: a bucket's host-made static inputs as views of one device buffer, written
+    from host copies of it in one copy per call."""
+
+    def __init__(self, static: list, positions: list[int]):
+        layout, total = {}, 0
+        for position in positions:
+            value = static[position]
+            layout[position] = (total, tuple(value.shape), value.dtype)
+            total += -(-value.numel() * value.element_size() // _BLOCK_ALIGN) * _BLOCK_ALIGN
+        device = static[positions[0]].device
+        self.block = torch.empty(total, dtype=torch.uint8, device=device)
+        self.layout = layout
+        for position in positions:  # the buffers as allocated (padding values) become views of the block
+            view = _view(self.block, *layout[position])
+            view.copy_(static[position])
+            static[position] = view
+        self.initial = self.block.to("cpu", copy=True)  # what a new host copy starts from: every row padding
+        self.stages: list[_Stage] = []
+        self.turn = 0
+        self.padding_steps: torch.Tensor | None = None  # the bucket's, on the host
+
+    def nbytes(self) -> int:
+        initial = self.initial.numel() if self.initial is not None else 0
+        return self.block.numel() + initial + sum(stage.buffer.numel() for stage in self.stages)
+
+    def _next_stage(self) -> _Stage:
+        if len(self.stages) < HOST_BLOCK_STAGES:
+            buffer = torch.empty(self.block.numel(), dtype=torch.uint8, pin_memory=self.block.is_cuda)
+            buffer.copy_(self.initial)
+            self.stages.append(_Stage(buffer, self.layout))
+            if len(self.stages) == HOST_BLOCK_STAGES:
+                self.initial = None
+        stage = self.stages[self.turn]
+        self.turn = (self.turn + 1) % HOST_BLOCK_STAGES
+        if stage.done is not None:
+            stage.done.synchronize()  # its copy to the device, HOST_BLOCK_STAGES calls of this bucket ago
+            stage.done = None
+        return stage
+
+    def write(self, bucket: "_Bucket", rules: list, inputs, rows: int) -> list[int]:
+        """Writes the call's host-made values at the block's positions into a host copy, padded as
+        ``BucketedGraphs._fill`` pads them, and copies it to the device; the positions it wrote."""
+        written = [position for position in self.layout if inputs[position].device.type == "cpu"]
+        if not written:
+            return written
+        stage = self._next_stage()
+        for position in written:
+            value, view, kind = inputs[position], stage.views[position], rules[position].kind
+            if kind == "cu_seqlens":
+                count = value.shape[0]
+                view[:count].copy_(value)
+                padding = view[count:]
+                if padding.numel():  # NOTE [segment tables]: as _fill writes them
+                    if self.padding_steps is None:
+                        self.padding_steps = bucket.padding_steps.cpu()
+                    torch.add(self.padding_steps[:padding.numel()], rows, out=padding)
+                    padding.clamp_(max=bucket.capacity)
+                    padding[-1:].fill_(bucket.capacity)
+                continue
+            pad = -1 if kind == "plan_index" else 0
+            count, before = value.shape[0], stage.extents[position]
+            if kind == "rows":
+                view[:count].copy_(value)
+            else:
+                frames = value.shape[1]
+                view[:count, :frames].copy_(value)
+                if frames < view.shape[1]:
+                    view[:count, frames:].fill_(pad)
+            if before > count:
+                view[count:before].fill_(pad)
+            stage.extents[position] = count
+        self.block.copy_(stage.buffer, non_blocking=True)
+        if self.block.is_cuda:
+            stage.done = torch.cuda.Event()
+            stage.done.record()
+        counters["host_block_copies"] += 1
+        return written
+
+
+_BLOCK_ALIGN = 64
+
+
 class _Bucket:
     def __init__(self, capacity: int):
         self.capacity = capacity
         self.inputs: list = []
+        self.host_block: _HostBlock | None = None  # NOTE [host block]
         self.outputs: tuple = ()
         self.graph: torch.cuda.CUDAGraph | None = None
         self.padding_steps: torch.Tensor | None = None  # PADDING_SEGMENT_ROWS * (1, 2, ...): NOTE [segment tables]
@@ -442,6 +573,9 @@ class BucketedGraphs:
         self.padded = [(i, rule) for i, rule in enumerate(rules) if rule.kind != "static"]
         self.row_dims = [(i, rule.dim) for i, rule in self.padded if rule.kind == "rows"]  # (position, row dim)
         self.group_index_positions = [i for i, rule in self.padded if rule.kind == "row_index"]
+        # NOTE [host block]: host-made inputs a bucket takes in one copy per call
+        self.host_block_positions = [i for i, rule in self.padded if rule.host and rule.kind in HOST_BLOCK_KINDS
+                                     and not (rule.kind == "rows" and rule.dim)]
         self.group = None  # k of NOTE [padding rules]'s row-group indices, set at the first call
         # No rows to pad, or an input no rule pads: every call runs the plain program.
         self.never_padded = not self.row_dims or any(rule.kind == "unpadded" for rule in rules)
@@ -786,9 +920,17 @@ class BucketedGraphs:
     def _device(self, inputs) -> torch.device:
         return inputs[self.row_dims[0][0]].device
 
+    def _host_block(self, bucket: _Bucket) -> _HostBlock | None:
+        positions = [i for i in self.host_block_positions if isinstance(bucket.inputs[i], torch.Tensor)]
+        return _HostBlock(bucket.inputs, positions) if positions else None
+
     def _fill(self, bucket: _Bucket, inputs) -> None:
         capacity = bucket.capacity
+        # NOTE [host block]: first, so that the copies below overwrite what it wrote at their positions
+        written = bucket.host_block.write(bucket, self.rules, inputs, self._patches(inputs)) if bucket.host_block else ()
         for i, rule in self.padded:
+            if i in written:
+                continue
             static, value = bucket.inputs[i], inputs[i]
             if rule.kind == "rows":
                 rows = value.shape[rule.dim]
@@ -830,6 +972,7 @@ class BucketedGraphs:
                     bucket.inputs = self._allocate(capacity, inputs)
                     slots = max((self.segment_slots(i, capacity) for i, rule in self.padded if rule.kind == "cu_seqlens"), default=0)
                     bucket.padding_steps = torch.arange(1, slots + 1, dtype=torch.int32, device=self._device(inputs)) * PADDING_SEGMENT_ROWS
+                    bucket.host_block = self._host_block(bucket)
                     bucket.bounds = self._class_bounds(capacity)
                     if self.capture:
                         self._capture(bucket, inputs)
@@ -996,12 +1139,12 @@ class BucketedGraphs:
         segment-length class: NOTE [segment-length classes]); None when that bucket was dropped (NOTE
         [memory pressure]) or the exact-size graph could not be made: the caller then chooses again
         or runs the plain program. ``host_side``: as in ``choose_exact``."""
-        shapes = self.program.output_shapes(inputs)
         with self.lock:  # NOTE [concurrent calls]
             self.prepare(inputs)
             bucket = self._exact_bucket(capacity, inputs) if exact else self.buckets.get(capacity)
             if bucket is None:
                 return None
+            shapes = self.program.output_shapes(self._on_device(bucket, inputs))
             if self._last_use is not None:
                 torch.cuda.current_stream().wait_event(self._last_use)
             self._fill(bucket, inputs)
@@ -1027,6 +1170,20 @@ class BucketedGraphs:
                 self._last_use.record()
             return results
 
+    def _on_device(self, bucket: _Bucket, inputs) -> list:
+        """``inputs`` with each host-made value the runner left on the host (NOTE [host block]) replaced
+        by a view of the bucket's buffer of its shape: the program's symbolic shape runs take inputs on
+        one device. Sizes are all they read."""
+        if bucket.host_block is None or not bucket.host_block.block.is_cuda:
+            return inputs
+        shaped = list(inputs)
+        for position in bucket.host_block.layout:
+            value = inputs[position]
+            if value.device.type == "cpu":
+                static = bucket.inputs[position]
+                shaped[position] = static[tuple(slice(0, size) for size in value.shape)]
+        return shaped
+
     def _exact_bucket(self, rows: int, inputs) -> _Bucket | None:
         """NOTE [exact-size graphs]: the graph of one-item calls of ``rows`` rows, made (and the least
         recently used one dropped) when new; None when it cannot be made (exact-size graphs then stop)."""
@@ -1039,6 +1196,7 @@ class BucketedGraphs:
             with torch.inference_mode(False), torch.no_grad():
                 bucket.inputs = self._allocate(rows, inputs, exact=True)
                 bucket.padding_steps = torch.zeros(0, dtype=torch.int32, device=self._device(inputs))
+                bucket.host_block = self._host_block(bucket)
                 if self.capture:
                     self._capture(bucket, inputs, exact=True)
         except Exception as error:  # noqa: BLE001 - out of memory, or cuDNN's kernels would not capture
@@ -1060,6 +1218,11 @@ class BucketedGraphs:
             self.graph_bytes -= dropped.graph_bytes
             counters["exact_size_graphs_dropped"] += 1
         return bucket
+
+    def host_block_bytes(self) -> int:
+        """Host memory of the buckets' host copies (NOTE [host block])."""
+        return sum(bucket.host_block.nbytes() - bucket.host_block.block.numel()
+                   for bucket in (*self.buckets.values(), *self.exact.values()) if bucket.host_block is not None)
 
     def memory(self) -> tuple[str, int, int]:
         """(device, bytes the captures added to the graph pool, bytes of static input buffers)."""

@@ -223,7 +223,7 @@ def memory_report() -> dict:
     """What kimi_cg holds, in bytes where it lives (NOTE [metadata memory budget]):
     ``metadata`` (the budgeted store: budget, bytes, entries, evictions, by_device, by_owner),
     ``state_snapshots`` (NOTE [state tokens]), ``graphs`` (graph sets, buckets, captured-graph
-    memory and static buffers), ``programs`` (device programs and their cached output sizes),
+    memory, static buffers and their host copies: NOTE [host block]), ``programs`` (device programs and their cached output sizes),
     ``resize_matrices`` and ``pinned_staging`` (NOTE [pinned staging])."""
     from kimi_cg import device_program
     from kimi_cg.ops import resize
@@ -243,7 +243,8 @@ def memory_report() -> dict:
         "metadata": metadata_store.report(),
         "state_snapshots": state_tokens.report(),
         "graphs": {"sets": len(sets), "buckets": sum(len(g.buckets) for g in sets),
-                   "captured_bytes_by_device": dict(graph_bytes), "static_buffer_bytes_by_device": dict(static_bytes)},
+                   "captured_bytes_by_device": dict(graph_bytes), "static_buffer_bytes_by_device": dict(static_bytes),
+                   "host_block_bytes": sum(graphs.host_block_bytes() for graphs in sets)},
         "programs": {"device_programs": len(programs),
                      "output_size_entries": sum(len(p.output_shapes_by_signature) for p in programs)},
         "resize_matrices": resize.matrix_cache_report(),

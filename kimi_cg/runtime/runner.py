@@ -193,18 +193,20 @@ class LiftedRunner:
         device_args = [args[i] if program == "arg" else host[i] if program == "host" else i
                        for program, i in self.device_plan]
         host_side = {}  # host values moved to the activations' device, as the host pass made them
+        graphs, left, target = None, {}, None
         if self.activation_index is not None:
             target = args[self.activation_index].device
             for position in self.host_positions:
                 value = device_args[position]
                 if isinstance(value, torch.Tensor) and value.device != target:
                     host_side[position] = value
-            if host_side:
-                moved = (pinned_staging.move(host_side, target) if target.type == "cuda"  # NOTE [pinned staging]
-                         else {position: value.to(target, non_blocking=True) for position, value in host_side.items()})
-                for position, value in moved.items():
-                    device_args[position] = value
-        results["device"] = self._run_device(device_args, record, host_side)
+            if host_side and self.graphs_for is not None:
+                # NOTE [host block]: a replay takes these from the host itself; moved only if none runs
+                graphs = self.graphs_for(device_args)
+                left = {position: value for position, value in host_side.items()
+                        if position in graphs.host_block_positions and value.device.type == "cpu"}
+            _move(device_args, {position: value for position, value in host_side.items() if position not in left}, target)
+        results["device"] = self._run_device(device_args, record, host_side, graphs, left, target)
         if not self.device_ran:  # NOTE [programs that ran] in kimi_cg/device_program.py
             self.device_ran = True
             if self.dump is not None:
@@ -216,14 +218,17 @@ class LiftedRunner:
             _copy_keeping_aliases(outputs, self.copied_outputs)
         return tuple(outputs)
 
-    def _run_device(self, device_args, record=None, host_side=None):
+    def _run_device(self, device_args, record=None, host_side=None, graphs=None, left=None, target=None):
+        """``left``: host-made values still on the host (NOTE [host block]), moved here unless a replay runs."""
         if self.graphs_for is not None:
             # Looked up per call: dynamo shares one compiled graph between instances of a module
             # class (weights are inputs), while captured graphs belong to one set of weights.
-            self.graphs = graphs = self.graphs_for(device_args)  # self.graphs: the latest, for reports only
+            self.graphs = graphs = graphs if graphs is not None else self.graphs_for(device_args)  # the latest, for reports
             result = self._replay(graphs, device_args, record, host_side)
             if result is not None:
                 return result
+            if left:
+                _move(device_args, left, target)
             split = self._run_split(graphs, device_args, record)
             if split is not None:
                 return split
@@ -335,6 +340,16 @@ class LiftedRunner:
             if any(r is None for r in rows) or sum(rows) != total:
                 return None
         return result
+
+
+def _move(device_args: list, values: dict, target: torch.device) -> None:
+    """Host-made values (position -> tensor) to the activations' device, in place in ``device_args``."""
+    if not values:
+        return
+    moved = (pinned_staging.move(values, target) if target.type == "cuda"  # NOTE [pinned staging]
+             else {position: value.to(target, non_blocking=True) for position, value in values.items()})
+    for position, value in moved.items():
+        device_args[position] = value
 
 
 def _note(record: dict | None, **fields) -> None:
