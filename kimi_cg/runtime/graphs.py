@@ -103,6 +103,7 @@ import threading
 import time
 import weakref
 
+import numpy
 import torch
 
 import kimi_cg.ops  # noqa: F401  (registers torch.ops.kimi_cg.*)
@@ -438,14 +439,15 @@ of the device's copies."""
 
 
 class _Stage:
-    """One host copy of a bucket's block: its bytes, a view per input, and per input the rows the last
-    call wrote there (real data; padding values after them)."""
+    """One host copy of a bucket's block: its bytes, a view per input (numpy, of signed integers as
+    wide as the input's dtype: writes are plain copies of bits), and per input the rows the last call
+    wrote there (real data; padding values after them)."""
 
     __slots__ = ("buffer", "views", "extents", "done")
 
     def __init__(self, buffer: torch.Tensor, layout: dict):
         self.buffer = buffer
-        self.views = {position: _view(buffer, *place) for position, place in layout.items()}
+        self.views = {position: _bits(_view(buffer, *place)).numpy() for position, place in layout.items()}
         self.extents = dict.fromkeys(layout, 0)
         self.done: torch.cuda.Event | None = None
 
@@ -453,6 +455,15 @@ class _Stage:
 def _view(block: torch.Tensor, offset: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
     nbytes = math.prod(shape) * dtype.itemsize
     return block[offset:offset + nbytes].view(dtype).view(shape)
+
+
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bits as signed integers of its width (numpy has no bfloat16; -1 stays -1 for an
+    integer tensor and 0 is 0.0 for a float one)."""
+    return tensor.view(_BITS[tensor.element_size()])
 
 
 class _HostBlock:
@@ -475,7 +486,7 @@ class _HostBlock:
         self.initial = self.block.to("cpu", copy=True)  # what a new host copy starts from: every row padding
         self.stages: list[_Stage] = []
         self.turn = 0
-        self.padding_steps: torch.Tensor | None = None  # the bucket's, on the host
+        self.padding_steps = None  # the bucket's, on the host (numpy)
 
     def nbytes(self) -> int:
         initial = self.initial.numel() if self.initial is not None else 0
@@ -497,35 +508,37 @@ class _HostBlock:
 
     def write(self, bucket: "_Bucket", rules: list, inputs, rows: int) -> list[int]:
         """Writes the call's host-made values at the block's positions into a host copy, padded as
-        ``BucketedGraphs._fill`` pads them, and copies it to the device; the positions it wrote."""
-        written = [position for position in self.layout if inputs[position].device.type == "cpu"]
+        ``BucketedGraphs._fill`` pads them, and copies it to the device; the positions it wrote. The host
+        writes are numpy's (one thread, ~1 us an op): torch's CPU copies of a plan's size start its
+        thread pool, which on the H100 host made this slower than the separate copies it replaces."""
+        written = [position for position in self.layout
+                   if inputs[position].device.type == "cpu" and inputs[position].dtype == self.layout[position][2]]
         if not written:
             return written
         stage = self._next_stage()
         for position in written:
-            value, view, kind = inputs[position], stage.views[position], rules[position].kind
+            value, view, kind = _bits(inputs[position]).numpy(), stage.views[position], rules[position].kind
             if kind == "cu_seqlens":
                 count = value.shape[0]
-                view[:count].copy_(value)
+                view[:count] = value
                 padding = view[count:]
-                if padding.numel():  # NOTE [segment tables]: as _fill writes them
+                if padding.size:  # NOTE [segment tables]: as _fill writes them
                     if self.padding_steps is None:
-                        self.padding_steps = bucket.padding_steps.cpu()
-                    torch.add(self.padding_steps[:padding.numel()], rows, out=padding)
-                    padding.clamp_(max=bucket.capacity)
-                    padding[-1:].fill_(bucket.capacity)
+                        self.padding_steps = bucket.padding_steps.cpu().numpy().astype(view.dtype)
+                    numpy.minimum(self.padding_steps[:padding.size] + rows, bucket.capacity, out=padding)
+                    padding[-1] = bucket.capacity
                 continue
             pad = -1 if kind == "plan_index" else 0
             count, before = value.shape[0], stage.extents[position]
             if kind == "rows":
-                view[:count].copy_(value)
+                view[:count] = value
             else:
                 frames = value.shape[1]
-                view[:count, :frames].copy_(value)
+                view[:count, :frames] = value
                 if frames < view.shape[1]:
-                    view[:count, frames:].fill_(pad)
+                    view[:count, frames:] = pad
             if before > count:
-                view[count:before].fill_(pad)
+                view[count:before] = pad
             stage.extents[position] = count
         self.block.copy_(stage.buffer, non_blocking=True)
         if self.block.is_cuda:
