@@ -276,7 +276,7 @@ def _bucketed_graphs(config: KimiCGConfig, lifted, inputs, device, example_input
         buckets = (max(int(rows) for rows in _activation_rows(inputs)),)
     rules = input_rules(device, device_input_kinds(lifted, inputs))
     key = (tuple(rules), buckets, config.max_items, config.max_frames, on_cuda, config.poison_graph_pool,
-           config.exact_size_graphs, config.attention_length_classes)
+           config.exact_size_graphs, config.attention_length_classes, config.host_block)
     # The key holds one rule per device input (hundreds: the weights), and a tuple rehashes its
     # items on every lookup: equal keys get one small int per device program, once, here.
     key = device.configurations.setdefault(key, len(device.configurations))
@@ -299,7 +299,7 @@ def _bucketed_graphs(config: KimiCGConfig, lifted, inputs, device, example_input
             graphs = _new_graphs(device, (key, addresses), weights, lambda: BucketedGraphs(
                 device, rules, buckets, config.max_items, config.max_frames, capture=on_cuda,
                 poison_pool=config.poison_graph_pool, exact_rows=exact_rows, exact_graphs=config.exact_size_graphs,
-                length_classes=config.attention_length_classes))
+                length_classes=config.attention_length_classes, host_block=config.host_block))
         return graphs
 
     return graphs_for

@@ -116,6 +116,13 @@ class KimiCGConfig:
     21.4 against 23.4 ms per request. False: the host computes the tables' per-item values on the
     device and checks the tables' content every call (NOTE [state tokens])."""
 
+    host_block: bool = False
+    """A bucket's host-made inputs (plans, segment boundaries) as views of one device buffer, written
+    from host copies in one copy per call instead of a copy and padding kernels each (NOTE [host
+    block] in runtime/graphs.py). Off by default: its first form measured slower on an H100 host
+    (2026-12-07, 0346de0: fill 0.45 against 0.31 ms per W4 request), and the form kept here (numpy
+    writes) is not yet measured on a GPU; on for A/B runs (``scripts/host_phases.py --host-block``)."""
+
     poison_graph_pool: bool = False
     """Testing aid: fill the CUDA-graph memory pool with NaN before capturing, so that any read of
     memory the graphs did not write shows up as NaN in the outputs (NOTE [padding rules])."""
@@ -163,7 +170,7 @@ class KimiCGConfig:
         _check_int("exact_size_graphs", self.exact_size_graphs, 0, MAX_EXACT_SIZE_GRAPHS)
         _check_int("attention_length_classes", self.attention_length_classes, 1, MAX_LENGTH_CLASSES)
         object.__setattr__(self, "inductor_config", _inductor_settings(self.inductor_config))
-        for name in ("linear_gelu_epilogue", "table_gathers", "poison_graph_pool", "strict"):
+        for name in ("linear_gelu_epilogue", "table_gathers", "host_block", "poison_graph_pool", "strict"):
             if not isinstance(getattr(self, name), bool):
                 _reject(name, getattr(self, name), "True or False")
 

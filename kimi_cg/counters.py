@@ -36,8 +36,8 @@ Keys (missing keys read as 0):
   state_content_checks        state tensors compared with their snapshot (NOTE [state tokens])
   state_snapshots_taken       state tensors seen new or changed (a new token, a new snapshot)
   graph_replays, captures     CUDA-graph replays and captures (CUDA runtime)
-  host_block_copies           calls whose host-made bucket inputs went to the bucket in one copy (NOTE [host
-                              block] in runtime/graphs.py)
+  host_block_copies           calls whose host-made bucket inputs went to the bucket in one copy (option
+                              host_block; NOTE [host block] in runtime/graphs.py)
   exact_size_replays          of graph_replays, those of exact-size graphs (NOTE [exact-size graphs])
   exact_size_captures         exact-size graphs captured (not in ``captures``: they are made at a size's
                               third call, after any warm-up, by design)

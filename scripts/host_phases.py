@@ -136,6 +136,8 @@ def main() -> None:
                         help="option table_gathers=False: the host computes the tables' per-item values (A/B)")
     parser.add_argument("--table-gathers", action="store_true",
                         help="option table_gathers=True: the device reads the tables with host plans (A/B)")
+    parser.add_argument("--host-block", action="store_true",
+                        help="option host_block=True: host-made inputs in one copy per call (NOTE [host block], A/B)")
     parser.add_argument("--smoke-test-on-cpu", action="store_true",
                         help="tiny config on the CPU (bucket path without capture), to check this script")
     args = parser.parse_args()
@@ -146,6 +148,8 @@ def main() -> None:
         sys.exit("host_phases.py needs a GPU (or --smoke-test-on-cpu)")
     if args.no_table_gathers or args.table_gathers:
         options = {**(options or {}), "table_gathers": bool(args.table_gathers)}
+    if args.host_block:
+        options = {**(options or {}), "host_block": True}
     torch.manual_seed(0)
     model = MoonVitPretrainedModel(config).to(bench.DEVICE, torch.bfloat16).eval()
     compiled = torch.compile(model, backend="kimi_cg", options=options)

@@ -29,6 +29,7 @@ BAD_OPTIONS = [
     ("linear_gelu_epilogue", 1),
     ("linear_gelu_epilogue", "yes"),
     ("table_gathers", 1),
+    ("host_block", 1),
     ("cuda_graphs", "no"),
     ("cuda_graphs", 0),
     ("token_budgets", 4096),

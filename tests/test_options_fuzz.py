@@ -77,7 +77,8 @@ def cases(draw):
     options = {"cuda_graphs": True, "token_budgets": budgets,
                "max_items": draw(st.integers(1, 6)), "max_frames": draw(st.integers(1, 4)),
                "attention_length_classes": draw(st.integers(1, 3)), "exact_size_graphs": draw(st.integers(0, 2)),
-               "linear_gelu_epilogue": draw(st.booleans()), "table_gathers": draw(st.booleans())}
+               "linear_gelu_epilogue": draw(st.booleans()), "table_gathers": draw(st.booleans()),
+               "host_block": draw(st.booleans())}
     strategy = kimi_cg.testing.grids(dims=dims, max_items=6, max_side=16, max_patches=512, video_fraction=video,
                                      max_frames=frames, table_size=8, buckets=budgets)
     batches = draw(st.lists(strategy, min_size=2, max_size=3))

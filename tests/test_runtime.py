@@ -38,10 +38,11 @@ def inputs(grid, seed):
     ],
     ids=["kimi_vl", "kimi_k25"],
 )
-def test_bucketed_path_matches_eager_splits_and_falls_back(build, grids):
+@pytest.mark.parametrize("host_block", [False, True], ids=["", "host_block"])
+def test_bucketed_path_matches_eager_splits_and_falls_back(build, grids, host_block):
     torch.manual_seed(0)
     model = build().eval()
-    compiled = torch.compile(model, backend="kimi_cg", options=OPTIONS)
+    compiled = torch.compile(model, backend="kimi_cg", options={**OPTIONS, "host_block": host_block})
     with torch.no_grad():
         for seed, grid in enumerate(grids):
             assert_matches_eager(compiled, model, grid, seed)
@@ -49,8 +50,12 @@ def test_bucketed_path_matches_eager_splits_and_falls_back(build, grids):
     # Five items exceed max_items=4: the call is split into replays of 4 and 1 whole items.
     assert kimi_cg.counters["eager_fallbacks"] == 1
     assert kimi_cg.counters["split_calls"] == 1
-    # NOTE [host block]: the replays took their host-made plans and boundaries through the buckets' blocks
-    assert kimi_cg.counters["host_block_copies"] >= kimi_cg.counters["padded_runs"] > 0
+    # NOTE [host block]: with the option, the replays took their host-made plans and boundaries through the
+    # buckets' host copies
+    if host_block:
+        assert kimi_cg.counters["host_block_copies"] >= kimi_cg.counters["padded_runs"] > 0
+    else:
+        assert kimi_cg.counters["host_block_copies"] == 0 and kimi_cg.counters["padded_runs"] > 0
 
 
 def test_results_do_not_alias_static_buffers():
@@ -618,7 +623,8 @@ def test_host_block_writes_what_the_plain_fill_writes(device):
     def runtime(host: bool) -> BucketedGraphs:
         rules = [InputRule("rows"), InputRule("size"), InputRule("cu_seqlens", host=host),
                  InputRule("plan_index", host=host), InputRule("plan_weight", host=host), InputRule("rows", host=host)]
-        return BucketedGraphs(_Recorder(), rules, buckets=(16, 64), max_items=4, max_frames=3, capture=False)
+        return BucketedGraphs(_Recorder(), rules, buckets=(16, 64), max_items=4, max_frames=3, capture=False,
+                              host_block=True)
 
     blocked, plain = runtime(True), runtime(False)
     assert blocked.host_block_positions == [2, 3, 4, 5] and plain.host_block_positions == []

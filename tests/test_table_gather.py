@@ -303,12 +303,13 @@ def test_the_graph_that_builds_the_rope_table_runs_once_without_buckets():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned staging needs CUDA")
-def test_plans_staged_through_pinned_memory_on_cuda(monkeypatch):
+@pytest.mark.parametrize("host_block", [False, True])
+def test_plans_staged_through_pinned_memory_on_cuda(monkeypatch, host_block):
     """NOTE [pinned staging]: plans of 64 KB or more (2,048+ rows of pairs) go to the device through the
-    runner's pinned slots when no replay takes them from the host (a split call: [[48, 48]] * 2 is over the
-    largest bucket), and replays take them through their buckets' host blocks (NOTE [host block]), also
-    for calls queued back to back without a sync (each slot and host copy is rewritten only after its copy
-    finished); equal to eager."""
+    runner's pinned slots, also for a split call ([[48, 48]] * 2 is over the largest bucket) and for calls
+    queued back to back without a sync (each slot is rewritten only after its copy finished); equal to
+    eager. With the host_block option, replays take them through their buckets' host copies instead
+    (NOTE [host block]): also equal, the split call's parts still staged."""
     from kimi_cg.runtime.staging import pinned_staging
 
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
@@ -317,7 +318,8 @@ def test_plans_staged_through_pinned_memory_on_cuda(monkeypatch):
     model = MoonVitPretrainedModel(MoonVitConfig.tiny()).cuda().eval()
     staged_before = pinned_staging.staged_copies
     compiled = torch.compile(model, backend="kimi_cg", options={"strict": True, "token_budgets": [256, 1024, 4096],
-                                                                "poison_graph_pool": True, "table_gathers": True})
+                                                                "poison_graph_pool": True, "table_gathers": True,
+                                                                "host_block": host_block})
     grids = [[[48, 48]], [[48, 48]], [[20, 30], [28, 26]], [[16, 16]], [[46, 50], [30, 26], [8, 8]], [[64, 60]],
              [[50, 46]], [[48, 48], [24, 28]], [[48, 48], [48, 48]]]
     inputs = []
@@ -333,4 +335,4 @@ def test_plans_staged_through_pinned_memory_on_cuda(monkeypatch):
                 torch.testing.assert_close(_flat(out), _flat(want), atol=1e-5, rtol=1e-5)
     assert kimi_cg.counters["table_gathers"] >= 2 and kimi_cg.counters["call_fallbacks"] == 0
     assert pinned_staging.staged_copies > staged_before
-    assert kimi_cg.counters["host_block_copies"] > 0 and kimi_cg.counters["split_calls"] >= 2
+    assert (kimi_cg.counters["host_block_copies"] > 0) == host_block and kimi_cg.counters["split_calls"] >= 2

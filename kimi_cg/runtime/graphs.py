@@ -71,19 +71,25 @@ captured turns classes off for the program.
 NOTE [host block]
 The host program makes a call's plans and boundaries on the CPU (cu_seqlens, table-gather and
 merge-gather plans: seven tensors for MoonViT). Moved one by one and padded on the GPU, they cost a
-copy each and two or three small kernels each for padding (about thirty launches: ~0.3 ms of host
-time per call on the H100 host, for every replay, seen sizes or not). So a bucket keeps its
-host-made inputs (rules with ``host``, kinds in HOST_BLOCK_KINDS) as views of one device buffer, and
-two host copies of that buffer (pinned on CUDA), used in turn. A call writes its values into the
-next host copy with the padding ``_fill`` would write (every row after the call's rows -1 / 0 for
-plans, zero for rows; boundaries as NOTE [segment tables]), restoring padding only over the rows the
-copy's previous call wrote (each copy keeps, per input, the rows it last wrote), then copies the
-whole buffer to the device in one copy on the current stream, ahead of the replay. A host copy is
-written again only after the event recorded after its copy. The runner leaves these values on the
-host (a replay needs them there) and moves them only when no replay runs (a split, the plain
-program); a value the host program made on the device takes ``_fill``'s path, after the block copy.
+copy each and two or three small kernels each for padding: about thirty launches per replay, seen
+sizes or not (``_fill``: 0.29-0.31 ms of host time per W4 request on an H100 host, 2026-12-07).
+With the ``host_block`` option a bucket keeps its host-made inputs (rules with ``host``, kinds in
+HOST_BLOCK_KINDS) as views of one device buffer, and two host copies of that buffer (pinned on
+CUDA), used in turn. A call writes its values into the next host copy with the padding ``_fill``
+would write (every row after the call's rows -1 / 0 for plans, zero for rows; boundaries as NOTE
+[segment tables]), restoring padding only over the rows the copy's previous call wrote (each copy
+keeps, per input, the rows it last wrote), then copies the whole buffer to the device in one copy
+on the current stream, ahead of the replay. A host copy is written again only after the event
+recorded after its copy. The runner leaves these values on the host (a replay needs them there) and
+moves them only when no replay runs (a split, the plain program); a value the host program made on
+the device, or of another dtype than the bucket's, takes ``_fill``'s path, after the block copy.
 The device buffer is as large as the separate buffers were; the host copies add twice that in
 host memory per bucket (``kimi_cg.memory_report()``).
+Measured: the first form, writing the host copies with torch's CPU ops, was slower than what it
+replaces on an H100 host (0346de0 against c615a9c, one process after the other: ``fill`` 0.45-0.49 ms
+p50 against 0.29-0.31 per W4 request; torch's CPU copies of a plan's size start its thread pool).
+The writes are numpy's now (one thread, ~1 us an op); that form is not yet measured on a GPU host,
+so the option stays off by default (docs/benchmarks.md).
 
 All buckets share one graph memory pool and are captured largest first (smaller graphs reuse the
 largest one's blocks). Without CUDA the same padded path runs without capture (CPU tests cover
@@ -579,7 +585,7 @@ class BucketedGraphs:
 
     def __init__(self, program: DeviceProgram, rules: list[InputRule], buckets: tuple[int, ...], max_items: int,
                  max_frames: int, capture: bool, poison_pool: bool = False, exact_rows: bool = False,
-                 exact_graphs: int = 0, length_classes: int = 1):
+                 exact_graphs: int = 0, length_classes: int = 1, host_block: bool = False):
         self.program = program
         self.rules = rules
         # Per-call loops skip the static inputs (the weights, hundreds of them): they need no copy.
@@ -587,8 +593,8 @@ class BucketedGraphs:
         self.row_dims = [(i, rule.dim) for i, rule in self.padded if rule.kind == "rows"]  # (position, row dim)
         self.group_index_positions = [i for i, rule in self.padded if rule.kind == "row_index"]
         # NOTE [host block]: host-made inputs a bucket takes in one copy per call
-        self.host_block_positions = [i for i, rule in self.padded if rule.host and rule.kind in HOST_BLOCK_KINDS
-                                     and not (rule.kind == "rows" and rule.dim)]
+        self.host_block_positions = [i for i, rule in self.padded if host_block and rule.host
+                                     and rule.kind in HOST_BLOCK_KINDS and not (rule.kind == "rows" and rule.dim)]
         self.group = None  # k of NOTE [padding rules]'s row-group indices, set at the first call
         # No rows to pad, or an input no rule pads: every call runs the plain program.
         self.never_padded = not self.row_dims or any(rule.kind == "unpadded" for rule in rules)
