@@ -118,10 +118,9 @@ class KimiCGConfig:
 
     host_block: bool = False
     """A bucket's host-made inputs (plans, segment boundaries) as views of one device buffer, written
-    from host copies in one copy per call instead of a copy and padding kernels each (NOTE [host
-    block] in runtime/graphs.py). Off by default: its first form measured slower on an H100 host
-    (2026-12-07, 0346de0: fill 0.45 against 0.31 ms per W4 request), and the form kept here (numpy
-    writes) is not yet measured on a GPU; on for A/B runs (``scripts/host_phases.py --host-block``)."""
+    from host copies in one copy per call instead of a copy and padding kernels each. Off until
+    measured faster on a GPU host (NOTE [host block] in runtime/graphs.py says what was measured);
+    on for A/B runs (``scripts/host_phases.py --host-block``)."""
 
     poison_graph_pool: bool = False
     """Testing aid: fill the CUDA-graph memory pool with NaN before capturing, so that any read of

@@ -494,9 +494,10 @@ class _HostBlock:
         self.turn = 0
         self.padding_steps = None  # the bucket's, on the host (numpy)
 
-    def nbytes(self) -> int:
+    def host_bytes(self) -> int:
+        """Host memory it holds: its host copies (and, until both exist, the padding image they start from)."""
         initial = self.initial.numel() if self.initial is not None else 0
-        return self.block.numel() + initial + sum(stage.buffer.numel() for stage in self.stages)
+        return initial + sum(stage.buffer.numel() for stage in self.stages)
 
     def _next_stage(self) -> _Stage:
         if len(self.stages) < HOST_BLOCK_STAGES:
@@ -514,9 +515,8 @@ class _HostBlock:
 
     def write(self, bucket: "_Bucket", rules: list, inputs, rows: int) -> list[int]:
         """Writes the call's host-made values at the block's positions into a host copy, padded as
-        ``BucketedGraphs._fill`` pads them, and copies it to the device; the positions it wrote. The host
-        writes are numpy's (one thread, ~1 us an op): torch's CPU copies of a plan's size start its
-        thread pool, which on the H100 host made this slower than the separate copies it replaces."""
+        ``BucketedGraphs._fill`` pads them (numpy writes: NOTE [host block]), and copies it to the device;
+        the positions it wrote."""
         written = [position for position in self.layout
                    if inputs[position].device.type == "cpu" and inputs[position].dtype == self.layout[position][2]]
         if not written:
@@ -1240,7 +1240,7 @@ class BucketedGraphs:
 
     def host_block_bytes(self) -> int:
         """Host memory of the buckets' host copies (NOTE [host block])."""
-        return sum(bucket.host_block.nbytes() - bucket.host_block.block.numel()
+        return sum(bucket.host_block.host_bytes()
                    for bucket in (*self.buckets.values(), *self.exact.values()) if bucket.host_block is not None)
 
     def memory(self) -> tuple[str, int, int]:

@@ -223,8 +223,8 @@ def memory_report() -> dict:
     """What kimi_cg holds, in bytes where it lives (NOTE [metadata memory budget]):
     ``metadata`` (the budgeted store: budget, bytes, entries, evictions, by_device, by_owner),
     ``state_snapshots`` (NOTE [state tokens]), ``graphs`` (graph sets, buckets, captured-graph
-    memory, static buffers and their host copies: NOTE [host block]), ``programs`` (device programs and their cached output sizes),
-    ``resize_matrices`` and ``pinned_staging`` (NOTE [pinned staging])."""
+    memory, static buffers and their host copies: NOTE [host block]), ``programs`` (device programs
+    and their cached output sizes), ``resize_matrices`` and ``pinned_staging`` (NOTE [pinned staging])."""
     from kimi_cg import device_program
     from kimi_cg.ops import resize
     from kimi_cg.runtime.graphs import graph_sets
