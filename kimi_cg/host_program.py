@@ -40,7 +40,7 @@ from kimi_cg.lift import Program, source_location
 from kimi_cg.runtime import gather_plan
 from kimi_cg.runtime.memory import metadata_store
 from kimi_cg.runtime.state_tokens import state_tokens
-from kimi_cg.runtime.table_rows import TABLE_ROWS, table_source
+from kimi_cg.runtime.table_rows import TABLE_ROWS, settled, table_source
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,9 @@ class ItemValue(torch.nn.Module):
             counters["metadata_cache_hits"] += 1
             return value
         counters["metadata_cache_misses"] += 1
-        value = self.gm.forward(*inputs)  # the generated code itself: a GraphModule's call adds only hooks' overhead
+        # the generated code itself (a GraphModule's call adds only hooks' overhead); kept with its
+        # table-read plans made (NOTE [pairs kept by side])
+        value = settled(self.gm.forward(*inputs))
         metadata_store.put(key, value, self.owner, self.share)
         return value
 

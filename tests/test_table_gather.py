@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -133,6 +134,120 @@ def test_bicubic_pairs_of_the_own_grid_equal_interpolate_and_the_listed_plan(in_
     assert torch.equal(tr.table_plan_index(flat(pairs), 0), tr.table_plan_index(listed))
     with pytest.raises(tr.NotATableRead, match="outer"):
         tr.table_plan_index(listed, 4)
+
+
+def _same_read(kept, built: tr.TableRows) -> None:
+    """``kept`` (a PairGrid / PairRows, or what a step made of it) is ``built`` bit for bit."""
+    made = tr.concrete(kept)
+    assert (made.axis, made.dim, made.outer, made.shape) == (built.axis, built.dim, built.outer, built.shape)
+    assert made.index.dtype == built.index.dtype == torch.int32 and made.weight.dtype == torch.float32
+    assert torch.equal(made.index, built.index)
+    assert torch.equal(made.weight.view(torch.int32), tr.weights(built).view(torch.int32))
+
+
+def _step(draw, rows):
+    """A random step for a read of ``rows``' rank: (name, function of a read)."""
+    ndim = rows.ndim
+    kind = draw(st.sampled_from(["permute", "unsqueeze", "squeeze", "flatten", "reshape", "view", "contiguous",
+                                 "getitem", "transpose"]))
+    if kind == "permute":
+        dims = draw(st.permutations(range(ndim)))
+        return kind, lambda r: tr.table_permute(r, *dims)
+    if kind == "transpose":
+        a, b = draw(st.integers(-ndim, ndim - 1)), draw(st.integers(-ndim, ndim - 1))
+        return kind, lambda r: tr.table_transpose(r, a, b)
+    if kind == "unsqueeze":
+        dim = draw(st.integers(-ndim - 1, ndim))
+        return kind, lambda r: tr.table_unsqueeze(r, dim)
+    if kind == "squeeze":
+        dim = draw(st.integers(-ndim, ndim - 1))
+        return kind, lambda r: tr.table_squeeze(r, dim)
+    if kind == "flatten":
+        start, end = draw(st.integers(0, ndim - 1)), draw(st.integers(0, ndim - 1))
+        return kind, lambda r: tr.table_flatten(r, start, end)
+    if kind in ("reshape", "view"):
+        count = math.prod(s for d, s in enumerate(rows.shape) if d != rows.axis)
+        first = draw(st.sampled_from([d for d in range(1, count + 1) if count % d == 0]))
+        sizes = draw(st.sampled_from([(first, count // first), (-1,), (first, -1), (1, count), (count + 1,)]))
+        function = tr.table_view if kind == "view" else tr.table_reshape
+        return kind, lambda r: function(r, *sizes, rows.dim)
+    if kind == "getitem":
+        dim = draw(st.integers(0, ndim - 1))
+        return kind, lambda r: tr.table_getitem(r, (slice(None),) * dim + (slice(0, 1),))
+    return kind, tr.table_identity
+
+
+@settings(max_examples=120, deadline=None)
+@given(data=st.data(), in_h=st.integers(1, 9), in_w=st.integers(1, 9))
+def test_pairs_kept_by_side_equal_the_built_plan_after_any_steps(data, in_h, in_w):
+    """NOTE [pairs kept by side]: a PairGrid through any chain of steps (those it keeps and those
+    that build the plan), and cats of such reads, equal the same steps on the built plan, bit for
+    bit; a step that fails fails the same way on both."""
+    table = torch.randn(in_h, in_w, 3)
+    own = _own_grid(table)
+    steps = tr.affine_grid(own)
+
+    def item():
+        h, w = data.draw(st.integers(1, 7), label="h"), data.draw(st.integers(1, 7), label="w")
+        kept = tr.table_bicubic_pairs(own, h, w, *steps)
+        assert isinstance(kept, tr.PairGrid)
+        return kept, tr.concrete(kept)
+
+    kept, built = item()
+    _same_read(kept, built)
+    for _ in range(data.draw(st.integers(0, 6), label="steps")):
+        name, function = _step(data.draw, built)
+        outcomes = []
+        for read in (kept, built):
+            try:
+                outcomes.append(function(read))
+            except (tr.NotATableRead, IndexError, RuntimeError) as error:
+                outcomes.append(type(error))
+        if isinstance(outcomes[1], type):
+            assert outcomes[0] is outcomes[1], name
+            continue
+        assert not isinstance(outcomes[0], type), (name, outcomes[0])
+        kept, built = outcomes
+        _same_read(kept, built)
+        assert tr.table_storage_offset(kept) == tr.table_storage_offset(built)
+        if built.axis == built.ndim - 1:
+            for outer in (built.outer, 0):
+                assert torch.equal(tr.table_plan_index(kept, outer), tr.table_plan_index(built, outer))
+                assert torch.equal(tr.table_plan_weight(kept, outer), tr.table_plan_weight(built, outer))
+    # MoonViT's cat: items flattened to [h * w, 1] reads one after another (nested cats too), with
+    # a built item or a listed read among them now and then
+    flat = lambda r: tr.table_flatten(tr.table_permute(tr.table_squeeze(r, 0), 1, 2, 0), end_dim=1)  # noqa: E731
+    parts = [item() for _ in range(data.draw(st.integers(1, 5), label="items"))]
+    kept_parts, built_parts = [flat(k) for k, _ in parts], [flat(b) for _, b in parts]
+    if len(kept_parts) > 2 and data.draw(st.booleans(), label="nested"):
+        kept_parts = [tr.table_cat(kept_parts[:2])] + kept_parts[2:]
+    mixed = data.draw(st.sampled_from(["none", "built", "listed"]), label="mixed")
+    if mixed == "built":
+        kept_parts[-1] = built_parts[-1]
+    elif mixed == "listed":
+        plain = tr.table_reshape(tr.table_getitem(_source(table), (slice(None, 1), slice(None, 2))), -1, 3)
+        kept_parts, built_parts = kept_parts + [plain], built_parts + [plain]
+    kept, built = tr.table_cat(kept_parts), tr.table_cat(built_parts)
+    assert isinstance(kept, tr.PairRows) == (mixed == "none")
+    _same_read(kept, built)
+    for outer in {built.outer, 0}:
+        assert torch.equal(tr.table_plan_index(kept, outer), tr.table_plan_index(built, outer))
+        assert torch.equal(tr.table_plan_weight(kept, outer), tr.table_plan_weight(built, outer))
+    assert tr.table_storage_offset(kept) == tr.table_storage_offset(built)
+    settled = tr.settled((kept, [kept_parts[0]], 3))
+    assert isinstance(settled[0], tr.TableRows) and isinstance(settled[1][0], tr.TableRows) and settled[2] == 3
+    _same_read(settled[0], built)
+    torch.testing.assert_close(_gather(table, kept), _gather(table, built), rtol=0, atol=0)
+    # grids [h, w, 1] of one height side by side (a cat along w): not one image after another
+    h = data.draw(st.integers(1, 4), label="side by side h")
+    grid = lambda w: tr.table_permute(tr.table_squeeze(tr.table_bicubic_pairs(own, h, w, *steps), 0), 1, 2, 0)  # noqa: E731
+    sides = [grid(w) for w in data.draw(st.lists(st.integers(1, 4), min_size=2, max_size=3), label="widths")]
+    for dim in (0, 1):
+        if dim == 0 and len({side.shape[1] for side in sides}) > 1:
+            continue
+        kept, built = tr.table_cat(sides, dim=dim), tr.table_cat([tr.concrete(side) for side in sides], dim=dim)
+        assert isinstance(kept, tr.PairRows) == (h == 1 if dim == 1 else all(side.shape[1] == 1 for side in sides))
+        _same_read(kept, built)
 
 
 def test_affine_grid_finds_the_steps_of_a_grid_read_and_refuses_others():
