@@ -118,6 +118,7 @@ from kimi_cg.counters import counters, timings
 from kimi_cg.device_program import DeviceProgram
 from kimi_cg.fallback import record_fallback
 from kimi_cg.ops.varlen_attention import dense_single_segment, longest_segment_bound
+from kimi_cg.runtime.staging import current_stream
 from kimi_cg.varlen_registry import argument, registered_bounds, registered_segments
 
 logger = logging.getLogger(__name__)
@@ -549,7 +550,7 @@ class _HostBlock:
         self.block.copy_(stage.buffer, non_blocking=True)
         if self.block.is_cuda:
             stage.done = torch.cuda.Event()
-            stage.done.record()
+            stage.done.record(current_stream())
         counters["host_block_copies"] += 1
         return written
 
@@ -1165,7 +1166,7 @@ class BucketedGraphs:
                 return None
             shapes = self.program.output_shapes(self._on_device(bucket, inputs))
             if self._last_use is not None:
-                torch.cuda.current_stream().wait_event(self._last_use)
+                current_stream().wait_event(self._last_use)
             self._fill(bucket, inputs)
             bound = None if exact else self._bound_for(bucket, inputs, host_side)
             if bucket.graph is not None:
@@ -1186,7 +1187,7 @@ class BucketedGraphs:
             results = tuple(_unpadded(out, shape) for out, shape in zip(outputs, shapes))
             if self.on_cuda:  # captured or not, the static buffers are reused by the next call's stream
                 self._last_use = torch.cuda.Event()
-                self._last_use.record()
+                self._last_use.record(current_stream())
             return results
 
     def _on_device(self, bucket: _Bucket, inputs) -> list:
