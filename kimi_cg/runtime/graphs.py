@@ -88,8 +88,10 @@ host memory per bucket (``kimi_cg.memory_report()``).
 Measured: the first form, writing the host copies with torch's CPU ops, was slower than what it
 replaces on an H100 host (0346de0 against c615a9c, one process after the other: ``fill`` 0.45-0.49 ms
 p50 against 0.29-0.31 per W4 request; torch's CPU copies of a plan's size start its thread pool).
-The writes are numpy's now (one thread, ~1 us an op); that form is not yet measured on a GPU host,
-so the option stays off by default (docs/benchmarks.md).
+The writes are numpy's now (one thread, ~1 us an op). On an H200 host (b7773f4, bench.py with the
+option off and on in one process) that form saved ~0.2 ms of W1's host time but added 0.9-1.9 ms to
+W4's: its host writes grow with the bucket (~1 MB at 8,192 rows) where ``_fill`` copies only the
+rows a call has and pads on the GPU. So the option stays off by default (docs/benchmarks.md).
 
 All buckets share one graph memory pool and are captured largest first (smaller graphs reuse the
 largest one's blocks). Without CUDA the same padded path runs without capture (CPU tests cover
