@@ -118,9 +118,9 @@ class KimiCGConfig:
 
     host_block: bool = False
     """A bucket's host-made inputs (plans, segment boundaries) as views of one device buffer, written
-    from host copies in one copy per call instead of a copy and padding kernels each. Off until
-    measured faster on a GPU host (NOTE [host block] in runtime/graphs.py says what was measured);
-    on for A/B runs (``scripts/host_phases.py --host-block``)."""
+    from host copies in one copy per call instead of a copy and padding kernels each. Off: measured
+    slower on large buckets (NOTE [host block] in runtime/graphs.py says what was measured); on for
+    A/B runs (``scripts/host_phases.py --host-block``, bench.py's ``kimi_cg_host_block``)."""
 
     poison_graph_pool: bool = False
     """Testing aid: fill the CUDA-graph memory pool with NaN before capturing, so that any read of
