@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+import pytest
 import sympy
 import torch
 
@@ -78,3 +79,38 @@ def test_metadata_store_counts_stand_ins_by_their_distinct_storages():
     store.put(("item", 1), (rows, pair), "default", 1 << 20)
     report = store.report()
     assert report["bytes"] == 664 and report["by_device"] == {"cpu": 664}
+
+
+def test_table_constants_fold_once_per_derivation_and_read_alike():
+    """NOTE [table constants folded]: steps on a table's stand-in alone run at build, once per
+    derivation for the process (programs with the same steps share the value; another table or
+    step gets its own), the program reads the same as unfolded, and a step that fails is left to
+    fail at call time."""
+    from kimi_cg.host_program import fold_table_constants
+    from kimi_cg.runtime import table_rows
+
+    def build(shape, dims):
+        graph = torch.fx.Graph()
+        h, w = graph.placeholder("h"), graph.placeholder("w")
+        source = graph.call_function(table_rows.table_source, (shape, 3))
+        permuted = graph.call_function(table_rows.table_permute, (source, *dims))
+        graph.output(graph.call_function(table_rows.table_getitem, (permuted, (slice(None, h), slice(None, w)))))
+        return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+    def same(a, b):
+        assert (a.axis, a.dim, a.outer) == (b.axis, b.dim, b.outer) and torch.equal(a.index, b.index)
+
+    first, again, other = build((4, 5), (1, 0, 2)), build((4, 5), (1, 0, 2)), build((5, 4), (1, 0, 2))
+    expected = {name: (gm(2, 3), gm(5, 1)) for name, gm in (("first", first), ("other", other))}
+    assert [fold_table_constants(gm) for gm in (first, again, other)] == [1, 1, 1]
+    assert not any(node.op == "call_function" and node.target in (table_rows.table_source, table_rows.table_permute)
+                   for node in first.graph.nodes)
+    assert first.table_constant_0 is again.table_constant_0 is not other.table_constant_0
+    for name, gm in (("first", first), ("other", other)):
+        same(gm(2, 3), expected[name][0])
+        same(gm(5, 1), expected[name][1])
+    broken = build((4, 5), (0, 0, 2))  # not a permutation: fails as a step, at call time
+    assert fold_table_constants(broken) == 1  # the source alone
+    assert any(node.target is table_rows.table_permute for node in broken.graph.nodes)
+    with pytest.raises(table_rows.NotATableRead):
+        broken(2, 3)

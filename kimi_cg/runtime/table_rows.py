@@ -38,8 +38,8 @@ batch of sizes seen before then joins them with one copy, which was faster than 
 row again (2-core CPU host: a 5-item batch's plans ~33-53 us joined, ~75-115 us gathered). Any
 other step reads ``index`` / ``weight``, which make the plan (the forms are interchangeable; a
 differential test holds them equal bit for bit). On the 2-core CPU host MoonViT's position chain
-of a new size, built, went from ~100-120 us to ~63 us, and the host pass of 120 W4 requests with
-every first size new from 1.30 to 1.17 ms a request (median of 8 alternating passes in one
+of a new size, built, went from ~65-75 us to ~40 us, and the host pass of 120 W4 requests with
+every first size new from 0.93 to 0.85 ms a request (medians of 8 alternating passes in one
 process; 1-layer 64-wide tower; a throwaway script): the rest of a new size's cost is the item
 cache's bookkeeping and the other chains.
 """
