@@ -282,13 +282,15 @@ def fold_table_constants(gm: torch.fx.GraphModule) -> int:
         derivation = _literal((node.target.__qualname__, node.args, tuple(sorted(node.kwargs.items()))), derivations)
         if derivation is None:
             continue
-        if derivation not in _FOLDED:
+        value = _FOLDED.get(derivation)
+        if value is None:
             args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), values.__getitem__)
             try:
-                _FOLDED[derivation] = node.target(*args, **kwargs)
+                made = node.target(*args, **kwargs)
             except Exception:  # noqa: BLE001 - left in the graph: it raises at call time, as before
                 continue
-        values[node], derivations[node] = _FOLDED[derivation], derivation
+            value = _FOLDED.setdefault(derivation, made)  # two builds at once keep one value
+        values[node], derivations[node] = value, derivation
     frontier = [node for node in values if any(user not in values for user in node.users)]
     for index, node in enumerate(frontier):
         name = f"table_constant_{index}"
