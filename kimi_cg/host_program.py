@@ -266,11 +266,9 @@ def fold_table_constants(gm: torch.fx.GraphModule) -> int:
     that fails here is left in the graph, to fail at call time as it did. On the 2-core CPU host a
     new MoonViT image size's position chain went from ~39 to ~31 us. Returns how many values the
     graph now reads as attributes."""
-    from kimi_cg.runtime import table_rows
+    from kimi_cg.canonicalize.table_gather import stand_in_steps
 
-    steps = {table_rows.table_source, table_rows.table_permute, table_rows.table_transpose,
-             table_rows.table_unsqueeze, table_rows.table_squeeze, table_rows.table_flatten, table_rows.table_view,
-             table_rows.table_reshape, table_rows.table_identity, table_rows.table_getitem, table_rows.table_repeat}
+    steps = stand_in_steps()
     values: dict[torch.fx.Node, object] = {}
     derivations: dict[torch.fx.Node, tuple] = {}
     for node in gm.graph.nodes:

@@ -57,6 +57,14 @@ _FUNCTIONS = {
     torch.transpose: tr.table_transpose, torch.unsqueeze: tr.table_unsqueeze, torch.squeeze: tr.table_squeeze,
     torch.ops.kimi_cg.bicubic_resize.default: tr.table_bicubic,
 }
+
+
+def stand_in_steps() -> frozenset:
+    """Every table_rows.py step the pass puts on a stand-in (pure functions of their arguments: NOTE
+    [table constants folded] runs those that read no call's input once)."""
+    return frozenset({*_METHODS.values(), *_FUNCTIONS.values(), tr.table_source, tr.table_bicubic_pairs})
+
+
 _SIZE_QUERIES = {
     torch.ops.aten.sym_size.int: row_size,
     torch.ops.aten.sym_numel.default: row_numel,

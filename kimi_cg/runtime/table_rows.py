@@ -101,6 +101,7 @@ def listed_terms(rows: TableRows) -> TableRows:
     """The same read with its terms listed (``outer`` 0): pairs become their sums and products."""
     if not rows.outer:
         return rows
+    rows = concrete(rows)  # a PairGrid's plan made once for both reads below
     n = rows.outer
     first, second = rows.index[..., :n].unsqueeze(-1), rows.index[..., n:].unsqueeze(-2)
     index = torch.where((first >= 0) & (second >= 0), first + second, -1).flatten(-2)
@@ -556,7 +557,7 @@ def table_bicubic_pairs(rows: TableRows, height: int, width: int, base: int, row
     16 terms as 4 row taps and 4 column taps (``outer`` 4); table row base + row tap * row_step + column
     tap * column_step, weight row weight * column weight."""
     bicubic_check(rows.ndim, rows.axis)
-    _, _, in_h, in_w, _ = rows.index.shape  # affine_grid: one image
+    _, _, in_h, in_w = rows.shape  # affine_grid: one image (its shape: no plan made for a kept read)
     h, w = int(height), int(width)
     rows_index, rows_weight = _pair_part(in_h, h, base, row_step)
     cols_index, cols_weight = _pair_part(in_w, w, 0, column_step)
