@@ -33,6 +33,10 @@ Keys (missing keys read as 0):
                               column taps, per dynamo graph
   metadata_cache_hits/misses  per-item host metadata lookups
   batch_cache_hits            calls whose whole host pass was reused (same grid, same weights)
+  moved_batch_hits            of those, calls that reused the device copies of that batch's host outputs
+                              (NOTE [moved batches] in runtime/runner.py)
+  fills_skipped               static bucket inputs a replay found holding its value already (NOTE [moved
+                              batches])
   state_content_checks        state tensors compared with their snapshot (NOTE [state tokens])
   state_snapshots_taken       state tensors seen new or changed (a new token, a new snapshot)
   graph_replays, captures     CUDA-graph replays and captures (CUDA runtime)

@@ -40,6 +40,7 @@ from kimi_cg.errors import InvalidInputError, UnsupportedGraphError
 from kimi_cg.lift import Program, source_location
 from kimi_cg.runtime import gather_plan
 from kimi_cg.runtime.memory import metadata_store
+from kimi_cg.runtime.staging import MovedBatch, read_only
 from kimi_cg.runtime.state_tokens import state_tokens
 from kimi_cg.runtime.table_rows import TABLE_ROWS, settled, table_source
 
@@ -56,6 +57,7 @@ def _forget_batches(serial: int, keys: collections.OrderedDict, lock: threading.
         keys.clear()
     for key in dropped:
         metadata_store.pop(("batch", serial, key))
+        metadata_store.pop(("moved", serial, key))
 
 
 def _input_key(value):
@@ -621,6 +623,11 @@ class HostProgram:
         counters["host_programs_built"] += 1
 
     def __call__(self, *inputs):
+        return self.run(*inputs)[0]
+
+    def run(self, *inputs) -> tuple:
+        """(the host outputs, the batch's cache key or None): the key names the batch for
+        ``moved`` / ``keep_moved``."""
         # NOTE [batch metadata cache]: a batch whose grid and state tensors (by token: NOTE [state
         # tokens]) equal a recent one reuses that batch's host outputs (repeated requests of one
         # shape pay no host pass). Host outputs are read-only downstream: the device program is
@@ -634,7 +641,7 @@ class HostProgram:
                     if key in self._batches:
                         self._batches.move_to_end(key)
                 counters["batch_cache_hits"] += 1
-                return cached
+                return cached, key
         try:
             outputs = self.gm(*inputs)
         except (InvalidInputError, UnsupportedGraphError):
@@ -642,6 +649,9 @@ class HostProgram:
         except Exception as error:  # noqa: BLE001 - re-raised with the item named
             raise self._explain(error, inputs) from error
         if key is not None:
+            for value in outputs:  # read-only from here on (NOTE [moved batches])
+                if isinstance(value, torch.Tensor):
+                    read_only.add(value)
             metadata_store.put(("batch", self.serial, key), outputs, self.owner, self.share, pool="batch")
             with self._batches_lock:
                 self._batches[key] = None
@@ -649,7 +659,29 @@ class HostProgram:
                 dropped = self._batches.popitem(last=False)[0] if len(self._batches) > self.batch_cache_size else None
             if dropped is not None:
                 metadata_store.pop(("batch", self.serial, dropped))
-        return outputs
+                metadata_store.pop(("moved", self.serial, dropped))
+        return outputs, key
+
+    def moved(self, key, positions, stream: int) -> dict | None:
+        """NOTE [moved batches]: the device copies ``keep_moved`` kept for the batch ``key`` at these
+        device-program ``positions``, made on the CUDA ``stream`` (its handle); None if there are none."""
+        if key is None:
+            return None
+        kept = metadata_store.get(("moved", self.serial, key))
+        if kept is None or kept.stream != stream or not positions <= kept.values.keys():
+            return None
+        counters["moved_batch_hits"] += 1
+        return kept.values
+
+    def keep_moved(self, key, values: dict, stream: int) -> None:
+        """Keep ``values`` (device-program position -> the device copy of a host output of the batch
+        ``key``, made on ``stream``) for later calls of that batch (NOTE [moved batches])."""
+        if key is None or not values:
+            return
+        for value in values.values():
+            read_only.add(value)
+        metadata_store.put(("moved", self.serial, key), MovedBatch(stream, tuple(values.values()), dict(values)),
+                           self.owner, self.share, pool="batch")
 
     def _state_tokens(self, inputs) -> tuple:
         """Validate the module state this program reads, once per call (NOTE [state tokens]): the

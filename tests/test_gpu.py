@@ -152,6 +152,8 @@ def test_repeated_single_images_replay_exact_size_graphs_bf16():
     assert counters.get("exact_size_captures", 0) == len(sizes), counters
     assert counters.get("exact_size_replays", 0) == 2 * len(sizes), counters  # the third and fourth call of each
     assert counters.get("exact_size_graph_failures", 0) == 0, counters
+    # NOTE [moved batches]: a repeated image's plans stay on the GPU, and its exact-size replays find them in place
+    assert counters.get("moved_batch_hits", 0) >= 2 * len(sizes) and counters.get("fills_skipped", 0) > 0, counters
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")

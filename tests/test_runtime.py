@@ -609,6 +609,109 @@ def test_one_model_compiled_with_and_without_length_classes_keeps_each_option():
         assert kimi_cg.counters["length_class_runs"] == runs
 
 
+def test_repeated_batches_reuse_their_filled_inputs_and_their_moved_copies(monkeypatch):
+    """NOTE [moved batches] in kimi_cg/runtime/runner.py, through a tower: batches repeated, interleaved
+    and as single images equal eager while their replays skip the fills of inputs still in place; a
+    batch's kept device copies come back only for its key, on the stream that made them, at positions
+    they cover, and go with the batch when it leaves the cache."""
+    from kimi_cg.host_program import HostProgram
+    from kimi_cg.runtime.memory import metadata_store
+    from kimi_cg.runtime.staging import read_only
+
+    runs = []
+    run = HostProgram.run
+    monkeypatch.setattr(HostProgram, "run", lambda self, *args: runs.append((self, run(self, *args))) or runs[-1][1])
+    torch.manual_seed(0)
+    model = KimiVLVisionEncoder(MoonVitConfig.tiny(attn_implementation="sdpa")).eval()
+    compiled = torch.compile(model, backend="kimi_cg", options=OPTIONS)
+    a, b, c = [[4, 6], [2, 8]], [[6, 4], [8, 2]], [[10, 12]]
+    with torch.no_grad():
+        for seed, grid in enumerate([a, a, b, a, a, c, c, c, b, a]):
+            assert_matches_eager(compiled, model, grid, seed)
+    assert kimi_cg.counters["batch_cache_hits"] >= 6 and kimi_cg.counters["fills_skipped"] > 0, dict(kimi_cg.counters)
+
+    host, (outputs, key) = runs[-1]  # batch a's
+    assert key is not None and all(value in read_only for value in outputs if isinstance(value, torch.Tensor))
+    copies = {3: torch.zeros(4), 5: torch.ones(2)}
+    host.keep_moved(key, copies, stream=7)
+    assert host.moved(key, {3: None}.keys(), 7) == copies and all(value in read_only for value in copies.values())
+    assert host.moved(key, {3: None, 5: None}.keys(), 7) == copies
+    assert host.moved(key, {3: None, 4: None}.keys(), 7) is None  # a position it does not cover
+    assert host.moved(key, {3: None}.keys(), 8) is None  # another stream
+    assert host.moved(None, {3: None}.keys(), 7) is None
+    with torch.no_grad():  # other batches of two items push batch a out of its program's cache
+        for width in range(2, 2 + 2 * host.batch_cache_size, 2):
+            compiled(*inputs([[2, width], [2, 2]], 0))
+    assert metadata_store.get(("batch", host.serial, key)) is None and host.moved(key, {3: None}.keys(), 7) is None
+
+
+@pytest.mark.parametrize("host_block", [False, True], ids=["", "host_block"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_fills_skipped_for_read_only_values_leave_what_a_full_fill_writes(device, host_block):
+    """NOTE [moved batches] in kimi_cg/runtime/runner.py: a static input still holding the read-only value
+    a call brings is not written again. Calls draw their host-made values from three read-only batches
+    (one brings a boundary table for more rows than its pixels: the same table, another patch count)
+    or make fresh ones, in two buckets, with and without the host block (one batch's weights of another
+    dtype take ``_fill``'s path after the block's copy; on CUDA one boundary table is on the device,
+    where its padding depends on the call's rows); after every call the static inputs equal,
+    element for element, those of a runtime that writes everything from copies of the same values."""
+    from kimi_cg.runtime.graphs import BucketedGraphs
+    from kimi_cg.runtime.graphs import InputRule
+    from kimi_cg.runtime.staging import read_only
+
+    def runtime(block: bool) -> BucketedGraphs:
+        rules = [InputRule("rows"), InputRule("size"), InputRule("cu_seqlens", host=True),
+                 InputRule("plan_index", host=True), InputRule("plan_weight", host=True), InputRule("rows", host=True)]
+        return BucketedGraphs(_Recorder(), rules, buckets=(16, 64), max_items=4, max_frames=3, capture=False,
+                              host_block=block)
+
+    generator = torch.Generator().manual_seed(1)
+
+    def host_values(rows: int, weight_dtype=torch.float32) -> list:
+        items = int(torch.randint(1, 5, (), generator=generator))
+        cuts = sorted(torch.randint(0, rows + 1, (items - 1,), generator=generator).tolist())
+        plan_rows = int(torch.randint(0, rows + 1, (), generator=generator))
+        frames = int(torch.randint(1, 4, (), generator=generator))
+        return [torch.tensor([0, *cuts, rows], dtype=torch.int32),
+                torch.randint(-1, rows, (plan_rows, frames), generator=generator).to(device),
+                torch.rand(plan_rows, frames, generator=generator, dtype=weight_dtype).to(device),
+                torch.randint(0, 100, (rows, 8), generator=generator, dtype=torch.int32).to(device)]
+
+    batches = [(10, host_values(10)), (12, host_values(12, torch.float64)), (40, host_values(40))]
+    if device == "cuda":  # a boundary table on the device is not checked against the rows (a read would sync):
+        batches[0][1][0] = batches[0][1][0].to(device)  # batch 0's, with fewer pixel rows, pads for another count
+        batches.append((9, [*batches[0][1][:3], torch.zeros(9, 8, dtype=torch.int32, device=device)]))
+    for _, values in batches:
+        for value in values:
+            read_only.add(value)
+    skipping, full = runtime(host_block), runtime(False)
+    before = kimi_cg.counters["fills_skipped"]
+    for call in range(60):
+        choice = int(torch.randint(0, len(batches) + 2, (), generator=generator))
+        if choice < len(batches):
+            rows, values = batches[choice]
+        else:
+            rows = int(torch.randint(1, 65, (), generator=generator))
+            values = host_values(rows)
+        pixels = torch.randn(rows, 3, generator=generator).to(device)
+        args = [pixels, rows, *values]
+        capacity = full.choose(args)
+        assert capacity is not None and skipping.choose(args) == capacity
+        (out,) = skipping.run(args, capacity)
+        assert torch.equal(out, pixels)
+        got = skipping.program.args
+        full.run([pixels, rows, *(value.clone() for value in values)], capacity)
+        for position, (have, want) in enumerate(zip(got, full.program.args)):
+            if isinstance(want, torch.Tensor):
+                assert torch.equal(have, want), (call, position)
+            else:
+                assert have == want
+    skipped = kimi_cg.counters["fills_skipped"] - before
+    # Repeated batches found their values in place; a host-block copy rewrites all its positions
+    assert skipped > 20 if not host_block else skipped == 0, skipped
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA"))])
 def test_host_block_writes_what_the_plain_fill_writes(device):

@@ -120,7 +120,7 @@ from kimi_cg.counters import counters, timings
 from kimi_cg.device_program import DeviceProgram
 from kimi_cg.fallback import record_fallback
 from kimi_cg.ops.varlen_attention import dense_single_segment, longest_segment_bound
-from kimi_cg.runtime.staging import current_stream
+from kimi_cg.runtime.staging import current_stream, read_only
 from kimi_cg.varlen_registry import argument, registered_bounds, registered_segments
 
 logger = logging.getLogger(__name__)
@@ -565,6 +565,9 @@ class _Bucket:
         self.capacity = capacity
         self.inputs: list = []
         self.host_block: _HostBlock | None = None  # NOTE [host block]
+        # NOTE [moved batches]: position -> (a weak reference to the read-only value the static input
+        # was last filled from, the patch count its padding was written for)
+        self.sources: dict[int, tuple] = {}
         self.outputs: tuple = ()
         self.graph: torch.cuda.CUDAGraph | None = None
         self.padding_steps: torch.Tensor | None = None  # PADDING_SEGMENT_ROWS * (1, 2, ...): NOTE [segment tables]
@@ -950,10 +953,22 @@ class BucketedGraphs:
         capacity = bucket.capacity
         # NOTE [host block]: first, so that the copies below overwrite what it wrote at their positions
         written = bucket.host_block.write(bucket, self.rules, inputs, self._patches(inputs)) if bucket.host_block else ()
+        if written:  # it rewrote every position of its block
+            for i in bucket.host_block.layout:
+                bucket.sources.pop(i, None)
         for i, rule in self.padded:
             if i in written:
                 continue
             static, value = bucket.inputs[i], inputs[i]
+            if value in read_only:  # NOTE [moved batches]: unchanged since a copy of this very value?
+                source = (weakref.ref(value), self._patches(inputs) if rule.kind == "cu_seqlens" else None)
+                held = bucket.sources.get(i)
+                if held is not None and held[0]() is value and held[1] == source[1]:
+                    counters["fills_skipped"] += 1
+                    continue
+                bucket.sources[i] = source
+            else:
+                bucket.sources.pop(i, None)
             if rule.kind == "rows":
                 rows = value.shape[rule.dim]
                 static.narrow(rule.dim, 0, rows).copy_(value, non_blocking=True)

@@ -1,4 +1,19 @@
-"""One call end to end: host metadata pass, device program, post views, eager's output structure."""
+"""One call end to end: host metadata pass, device program, post views, eager's output structure.
+
+NOTE [moved batches]
+A batch whose host pass is reused (NOTE [batch metadata cache]) has the same host outputs as before,
+and moving them to the GPU again cost a cached W4 request 0.57 ms of host CPU on an H200 host (pinned
+staging of its plans; 2026-12-07 profile) and W1 seven small copies. So the runner keeps the moved
+copies of a batch's host outputs in the metadata store beside the batch (pool "batch", counted as
+device bytes, evicted with it), per CUDA stream: a call of that batch on the stream that made them
+takes them as they are (the stream orders their copies before every later read on it; another
+stream moves afresh). Cached host outputs and their copies are read-only (the device program is
+functional, and a written host value is computed in one program: NOTE [mutation and lifting]); both
+are registered in ``staging.read_only``. A bucket remembers which read-only value each static input
+was last filled from (``_Bucket.sources``, with the patch count the padding of a boundary table
+depends on), and ``_fill`` skips an input still holding it: a repeated single image's replay copies
+only its pixels. A host-block write (NOTE [host block]) forgets its positions' sources.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +34,7 @@ from kimi_cg.device_program import DeviceProgram
 from kimi_cg.host_program import HostProgram
 from kimi_cg.lift import LiftedGraph, ValueRef
 from kimi_cg.runtime.graphs import BucketedGraphs
-from kimi_cg.runtime.staging import pinned_staging
+from kimi_cg.runtime.staging import current_stream, pinned_staging
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +200,8 @@ class LiftedRunner:
 
     def _run_lifted_here(self, args, record=None):
         results = {}
-        results["host"] = host = self.host(*(self._resolve(ref, args, results) for ref in self.host_refs))
+        host, batch = self.host.run(*(self._resolve(ref, args, results) for ref in self.host_refs))
+        results["host"] = host
         if record is not None:
             record["host_ms"] = round((time.perf_counter() - record["start"]) * 1e3, 3)
         # Most device inputs are the call's own arguments (the weights): a list comprehension over
@@ -205,7 +221,15 @@ class LiftedRunner:
                 graphs = self.graphs_for(device_args)
                 left = {position: value for position, value in host_side.items()
                         if position in graphs.host_block_positions and value.device.type == "cpu"}
-            _move(device_args, {position: value for position, value in host_side.items() if position not in left}, target)
+            moving = {position: value for position, value in host_side.items() if position not in left}
+            if moving:  # NOTE [moved batches]
+                stream = current_stream(target).cuda_stream if target.type == "cuda" else 0
+                kept = self.host.moved(batch, moving.keys(), stream)
+                if kept is not None:
+                    for position in moving:
+                        device_args[position] = kept[position]
+                else:
+                    self.host.keep_moved(batch, _move(device_args, moving, target), stream)
         results["device"] = self._run_device(device_args, record, host_side, graphs, left, target)
         if not self.device_ran:  # NOTE [programs that ran] in kimi_cg/device_program.py
             self.device_ran = True
@@ -342,14 +366,16 @@ class LiftedRunner:
         return result
 
 
-def _move(device_args: list, values: dict, target: torch.device) -> None:
-    """Host-made values (position -> tensor) to the activations' device, in place in ``device_args``."""
+def _move(device_args: list, values: dict, target: torch.device) -> dict:
+    """Host-made values (position -> tensor) to the activations' device, in place in ``device_args``;
+    the moved values by position."""
     if not values:
-        return
+        return {}
     moved = (pinned_staging.move(values, target) if target.type == "cuda"  # NOTE [pinned staging]
              else {position: value.to(target, non_blocking=True) for position, value in values.items()})
     for position, value in moved.items():
         device_args[position] = value
+    return moved
 
 
 def _note(record: dict | None, **fields) -> None:

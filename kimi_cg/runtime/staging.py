@@ -18,7 +18,9 @@ needs; pinned allocations are slow, so slots are kept for the process's life.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+import weakref
 
 import torch
 
@@ -97,3 +99,33 @@ class PinnedStaging:
 
 
 pinned_staging = PinnedStaging()
+
+
+class ReadOnly:
+    """Tensors that nothing writes once made (NOTE [moved batches]), by identity: a static buffer
+    that a copy of one of them filled still holds it while that tensor lives."""
+
+    def __init__(self):
+        self._refs: dict[int, weakref.ref] = {}
+
+    def add(self, tensor: torch.Tensor) -> None:
+        key = id(tensor)
+        self._refs[key] = weakref.ref(tensor, lambda _, key=key: self._refs.pop(key, None))
+
+    def __contains__(self, tensor) -> bool:
+        ref = self._refs.get(id(tensor))
+        return ref is not None and ref() is tensor
+
+
+read_only = ReadOnly()
+
+
+@dataclasses.dataclass(frozen=True)
+class MovedBatch:
+    """A cached batch's host outputs on the device (NOTE [moved batches]): ``values`` maps device-program
+    positions to the copies (``tensors`` lists them for the metadata store's byte count), made on the
+    CUDA stream ``stream`` (its handle)."""
+
+    stream: int
+    tensors: tuple
+    values: dict
