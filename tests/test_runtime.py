@@ -708,8 +708,12 @@ def test_fills_skipped_for_read_only_values_leave_what_a_full_fill_writes(device
             else:
                 assert have == want
     skipped = kimi_cg.counters["fills_skipped"] - before
-    # Repeated batches found their values in place; a host-block copy rewrites all its positions
-    assert skipped > 20 if not host_block else skipped == 0, skipped
+    # Repeated batches found their values in place. A host-block copy rewrites all its positions: on the
+    # CPU every call makes one; on CUDA a batch whose values are all on the device makes none.
+    if not host_block:
+        assert skipped > 20, skipped
+    elif device == "cpu":
+        assert skipped == 0, skipped
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
