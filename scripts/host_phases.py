@@ -12,6 +12,7 @@ and after it, so phases add up but the total is a little slower than an unsynchr
   runner        kimi_cg's runner (call minus dynamo)
   host          the host metadata pass (per-item cache lookups included)
   item_values   per-item metadata (cache hits and misses), part of host
+  move          host-made values to the GPU (none for a batch whose copies are kept: NOTE [moved batches])
   fill          copies into the bucket's static inputs
   replay        CUDA-graph replays
   output_rows   the output sizes for this call (symbolic, cached per shape)
@@ -50,6 +51,7 @@ from kimi_cg.device_program import DeviceProgram  # noqa: E402
 from kimi_cg.host_program import HostProgram, ItemValue  # noqa: E402
 from kimi_cg.models import MoonVitConfig, MoonVitPretrainedModel  # noqa: E402
 from kimi_cg.runtime.graphs import BucketedGraphs  # noqa: E402
+from kimi_cg.runtime import runner as runner_module  # noqa: E402
 from kimi_cg.runtime.runner import LiftedRunner  # noqa: E402
 from kimi_cg.runtime.state_tokens import StateTokens  # noqa: E402
 
@@ -73,9 +75,10 @@ def timed(name: str, function):
 
 def instrument() -> None:
     LiftedRunner.__call__ = timed("runner", LiftedRunner.__call__)
-    HostProgram.__call__ = timed("host", HostProgram.__call__)
+    HostProgram.run = timed("host", HostProgram.run)
     ItemValue.forward = timed("item_values", ItemValue.forward)
     BucketedGraphs._fill = timed("fill", BucketedGraphs._fill)
+    runner_module._move = timed("move", runner_module._move)
     DeviceProgram.output_rows = timed("output_rows", DeviceProgram.output_rows)
     if SYNCHRONISE:
         torch.cuda.CUDAGraph.replay = timed("replay", torch.cuda.CUDAGraph.replay)
@@ -85,8 +88,9 @@ def instrument() -> None:
 
 
 def measure(system, requests) -> dict:
-    names = ("call", "runner", "host", "item_values", "fill", "replay", "output_rows") if SYNCHRONISE else (
-        "call", "call_cpu", "runner", "host", "item_values", "state_tokens", "fill", "output_rows", "graph_launch", "misses")
+    names = ("call", "runner", "host", "item_values", "move", "fill", "replay", "output_rows") if SYNCHRONISE else (
+        "call", "call_cpu", "runner", "host", "item_values", "state_tokens", "move", "fill", "output_rows", "graph_launch",
+        "misses")
     per_request = collections.defaultdict(list)
     with torch.no_grad():
         for args in requests:
