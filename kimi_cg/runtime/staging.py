@@ -7,7 +7,8 @@ memory of more than 64 KB blocks the host until it is done, and it is queued beh
 on the stream: the host cannot run ahead of the device (a serving loop's next request waits for the
 previous replay, and a split call's second part waits for the first). Such tensors (the
 table-gather plans, NOTE [table gathers]: 64 bytes per resized row) go through pinned memory
-instead: a host memcpy, then an asynchronous copy. Smaller ones the driver stages without blocking.
+instead: a host memcpy (numpy's, on one thread: torch's copy of a plan's size wakes its thread pool),
+then an asynchronous copy. Smaller ones the driver stages without blocking.
 
 The process has ``SLOTS`` pinned buffers, used in turn by the calls of every runner: a call packs its
 large tensors into one slot (each at a 64-byte boundary) and records an event after its copies; a
@@ -43,10 +44,11 @@ def current_stream(device: torch.device | None = None) -> torch.cuda.Stream:
 
 
 class _Slot:
-    __slots__ = ("buffer", "done")
+    __slots__ = ("buffer", "bytes", "done")
 
     def __init__(self):
         self.buffer: torch.Tensor | None = None  # uint8, pinned
+        self.bytes = None  # the buffer as a numpy array
         self.done: torch.cuda.Event | None = None
 
 
@@ -79,13 +81,17 @@ class PinnedStaging:
                 slot.done.synchronize()  # the copies out of this slot, SLOTS calls ago
                 slot.done = None
             if slot.buffer is None or slot.buffer.numel() < total:
-                slot.buffer = None  # the old one goes back to the host allocator first
+                slot.buffer = slot.bytes = None  # the old one goes back to the host allocator first
                 slot.buffer = torch.empty(max(_FIRST_BYTES, 1 << (total - 1).bit_length()), dtype=torch.uint8,
                                           pin_memory=True)
+                slot.bytes = slot.buffer.numpy()
             for position, value in large.items():
-                start = offsets[position]
-                stage = slot.buffer[start:start + value.numel() * value.element_size()].view(value.dtype).view(value.shape)
-                stage.copy_(value)
+                start, nbytes = offsets[position], value.numel() * value.element_size()
+                stage = slot.buffer[start:start + nbytes].view(value.dtype).view(value.shape)
+                if value.is_contiguous():  # numpy's copy: one thread (torch's starts its pool at this size)
+                    slot.bytes[start:start + nbytes] = value.reshape(-1).view(torch.uint8).numpy()
+                else:
+                    stage.copy_(value)
                 moved[position] = stage.to(device, non_blocking=True)
             slot.done = torch.cuda.Event()
             slot.done.record(current_stream(device))
