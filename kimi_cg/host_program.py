@@ -662,9 +662,10 @@ class HostProgram:
                 metadata_store.pop(("moved", self.serial, dropped))
         return outputs, key
 
-    def moved(self, key, positions, stream: int) -> dict | None:
+    def moved(self, key, positions, stream: tuple) -> dict | None:
         """NOTE [moved batches]: the device copies ``keep_moved`` kept for the batch ``key`` at these
-        device-program ``positions``, made on the CUDA ``stream`` (its handle); None if there are none."""
+        device-program ``positions``, made on ``stream`` (the device, the CUDA stream's handle: every
+        device's default stream has handle 0); None if there are none."""
         if key is None:
             return None
         kept = metadata_store.get(("moved", self.serial, key))
@@ -673,7 +674,7 @@ class HostProgram:
         counters["moved_batch_hits"] += 1
         return kept.values
 
-    def keep_moved(self, key, values: dict, stream: int) -> None:
+    def keep_moved(self, key, values: dict, stream: tuple) -> None:
         """Keep ``values`` (device-program position -> the device copy of a host output of the batch
         ``key``, made on ``stream``) for later calls of that batch (NOTE [moved batches])."""
         if key is None or not values:

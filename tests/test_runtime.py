@@ -612,8 +612,9 @@ def test_one_model_compiled_with_and_without_length_classes_keeps_each_option():
 def test_repeated_batches_reuse_their_filled_inputs_and_their_moved_copies(monkeypatch):
     """NOTE [moved batches] in kimi_cg/runtime/runner.py, through a tower: batches repeated, interleaved
     and as single images equal eager while their replays skip the fills of inputs still in place; a
-    batch's kept device copies come back only for its key, on the stream that made them, at positions
-    they cover, and go with the batch when it leaves the cache."""
+    batch's kept device copies come back only for its key, on the device and stream that made them
+    (default streams of two devices share a handle), at positions they cover, and go with the batch when
+    it leaves the cache."""
     from kimi_cg.host_program import HostProgram
     from kimi_cg.runtime.memory import metadata_store
     from kimi_cg.runtime.staging import read_only
@@ -633,16 +634,18 @@ def test_repeated_batches_reuse_their_filled_inputs_and_their_moved_copies(monke
     host, (outputs, key) = runs[-1]  # batch a's
     assert key is not None and all(value in read_only for value in outputs if isinstance(value, torch.Tensor))
     copies = {3: torch.zeros(4), 5: torch.ones(2)}
-    host.keep_moved(key, copies, stream=7)
-    assert host.moved(key, {3: None}.keys(), 7) == copies and all(value in read_only for value in copies.values())
-    assert host.moved(key, {3: None, 5: None}.keys(), 7) == copies
-    assert host.moved(key, {3: None, 4: None}.keys(), 7) is None  # a position it does not cover
-    assert host.moved(key, {3: None}.keys(), 8) is None  # another stream
-    assert host.moved(None, {3: None}.keys(), 7) is None
+    made = (torch.device("cuda", 0), 7)
+    host.keep_moved(key, copies, made)
+    assert host.moved(key, {3: None}.keys(), made) == copies and all(value in read_only for value in copies.values())
+    assert host.moved(key, {3: None, 5: None}.keys(), made) == copies
+    assert host.moved(key, {3: None, 4: None}.keys(), made) is None  # a position it does not cover
+    assert host.moved(key, {3: None}.keys(), (torch.device("cuda", 0), 8)) is None  # another stream
+    assert host.moved(key, {3: None}.keys(), (torch.device("cuda", 1), 7)) is None  # another device, same handle
+    assert host.moved(None, {3: None}.keys(), made) is None
     with torch.no_grad():  # other batches of two items push batch a out of its program's cache
         for width in range(2, 2 + 2 * host.batch_cache_size, 2):
             compiled(*inputs([[2, width], [2, 2]], 0))
-    assert metadata_store.get(("batch", host.serial, key)) is None and host.moved(key, {3: None}.keys(), 7) is None
+    assert metadata_store.get(("batch", host.serial, key)) is None and host.moved(key, {3: None}.keys(), made) is None
 
 
 @pytest.mark.parametrize("host_block", [False, True], ids=["", "host_block"])

@@ -5,9 +5,9 @@ A batch whose host pass is reused (NOTE [batch metadata cache]) has the same hos
 and moving them to the GPU again cost a cached W4 request 0.57 ms of host CPU on an H200 host (pinned
 staging of its plans; 2026-12-07 profile) and W1 seven small copies. So the runner keeps the moved
 copies of a batch's host outputs in the metadata store beside the batch (pool "batch", counted as
-device bytes, evicted with it), per CUDA stream: a call of that batch on the stream that made them
-takes them as they are (the stream orders their copies before every later read on it; another
-stream moves afresh). Cached host outputs and their copies are read-only (the device program is
+device bytes, evicted with it), per device and CUDA stream: a call of that batch on the stream that
+made them takes them as they are (the stream orders their copies before every later read on it;
+another stream, or another device, moves afresh). Cached host outputs and their copies are read-only (the device program is
 functional, and a written host value is computed in one program: NOTE [mutation and lifting]); both
 are registered in ``staging.read_only``. A bucket remembers which read-only value each static input
 was last filled from (``_Bucket.sources``, with the patch count the padding of a boundary table
@@ -223,7 +223,7 @@ class LiftedRunner:
                         if position in graphs.host_block_positions and value.device.type == "cpu"}
             moving = {position: value for position, value in host_side.items() if position not in left}
             if moving:  # NOTE [moved batches]
-                stream = current_stream(target).cuda_stream if target.type == "cuda" else 0
+                stream = (target, current_stream(target).cuda_stream if target.type == "cuda" else 0)
                 kept = self.host.moved(batch, moving.keys(), stream)
                 if kept is not None:
                     for position in moving:
