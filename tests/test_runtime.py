@@ -609,6 +609,27 @@ def test_one_model_compiled_with_and_without_length_classes_keeps_each_option():
         assert kimi_cg.counters["length_class_runs"] == runs
 
 
+@pytest.mark.parametrize("make", [
+    lambda: torch.randint(-5, 2**40, (37, 4)), lambda: torch.randn(3, 5, 7).to(torch.bfloat16), lambda: torch.rand(9) > 0.5,
+    lambda: torch.tensor(7, dtype=torch.int32), lambda: torch.empty(0, 4, dtype=torch.int64), lambda: torch.randn(6, 4).t(),
+    lambda: torch.randn(5, dtype=torch.complex64).conj(), lambda: torch.randn(5, dtype=torch.complex64)._neg_view(),
+    lambda: torch.randn(4, 3, requires_grad=True), lambda: torch.randn(2, 3, dtype=torch.float16)],
+    ids=["int64", "bf16", "bool", "scalar", "empty", "strided", "conj", "neg", "requires_grad", "fp16"])
+def test_staged_bytes_read_back_as_the_value(make):
+    """NOTE [pinned staging]: a value written into a staging buffer (numpy's copy for dense ones, torch's
+    for the rest) reads back bit for bit, at an offset, with its dtype and shape."""
+    from kimi_cg.runtime.staging import write_bytes
+
+    value = make()
+    buffer = torch.full((1 << 12,), 0xA5, dtype=torch.uint8)
+    stage = write_bytes(buffer, buffer.numpy(), 128, value)
+    want = value.detach().resolve_conj().resolve_neg()
+    assert stage.dtype == want.dtype and stage.shape == want.shape
+    assert torch.equal(stage.reshape(-1).view(torch.uint8), want.contiguous().reshape(-1).view(torch.uint8))
+    assert stage.data_ptr() == buffer.data_ptr() + 128 or want.numel() == 0
+    assert (buffer[:128] == 0xA5).all() and (buffer[128 + want.numel() * want.element_size():] == 0xA5).all()
+
+
 def test_repeated_batches_reuse_their_filled_inputs_and_their_moved_copies(monkeypatch):
     """NOTE [moved batches] in kimi_cg/runtime/runner.py, through a tower: batches repeated, interleaved
     and as single images equal eager while their replays skip the fills of inputs still in place; a

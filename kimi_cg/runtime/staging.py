@@ -86,13 +86,7 @@ class PinnedStaging:
                                           pin_memory=True)
                 slot.bytes = slot.buffer.numpy()
             for position, value in large.items():
-                start, nbytes = offsets[position], value.numel() * value.element_size()
-                stage = slot.buffer[start:start + nbytes].view(value.dtype).view(value.shape)
-                if value.is_contiguous():  # numpy's copy: one thread (torch's starts its pool at this size)
-                    slot.bytes[start:start + nbytes] = value.reshape(-1).view(torch.uint8).numpy()
-                else:
-                    stage.copy_(value)
-                moved[position] = stage.to(device, non_blocking=True)
+                moved[position] = write_bytes(slot.buffer, slot.bytes, offsets[position], value).to(device, non_blocking=True)
             slot.done = torch.cuda.Event()
             slot.done.record(current_stream(device))
             self.staged_copies += len(large)
@@ -105,6 +99,20 @@ class PinnedStaging:
 
 
 pinned_staging = PinnedStaging()
+
+
+def write_bytes(buffer: torch.Tensor, array, start: int, value: torch.Tensor) -> torch.Tensor:
+    """Writes ``value`` into the uint8 CPU ``buffer`` (``array``: the same memory as a numpy array) at
+    byte ``start``; returns that part of ``buffer`` as a tensor of ``value``'s dtype and shape. A dense
+    value's bytes go by numpy's copy (one thread: torch's copy of a plan's size wakes its thread pool);
+    others (strided, conjugate or negative views, or values that require grad) by torch's copy."""
+    nbytes = value.numel() * value.element_size()
+    stage = buffer[start:start + nbytes].view(value.dtype).view(value.shape)
+    if value.is_contiguous() and not (value.requires_grad or value.is_conj() or value.is_neg()):
+        array[start:start + nbytes] = value.reshape(-1).view(torch.uint8).numpy()
+    else:
+        stage.copy_(value)
+    return stage
 
 
 class ReadOnly:
