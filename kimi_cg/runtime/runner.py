@@ -7,12 +7,13 @@ staging of its plans; 2026-12-07 profile) and W1 seven small copies. So the runn
 copies of a batch's host outputs in the metadata store beside the batch (pool "batch", counted as
 device bytes, evicted with it), per device and CUDA stream: a call of that batch on the stream that
 made them takes them as they are (the stream orders their copies before every later read on it;
-another stream, or another device, moves afresh). Cached host outputs and their copies are read-only (the device program is
-functional, and a written host value is computed in one program: NOTE [mutation and lifting]); both
-are registered in ``staging.read_only``. A bucket remembers which read-only value each static input
-was last filled from (``_Bucket.sources``, with the patch count the padding of a boundary table
-depends on), and ``_fill`` skips an input still holding it: a repeated single image's replay copies
-only its pixels. A host-block write (NOTE [host block]) forgets its positions' sources.
+another stream, or another device, moves afresh). Cached host outputs and their copies are
+read-only (the device program is functional, and a written host value is computed in one program:
+NOTE [mutation and lifting]); both are registered in ``staging.read_only``. A bucket remembers which
+read-only value each static input was last filled from (``_Bucket.sources``, with the patch count
+the padding of a boundary table depends on), and ``_fill`` skips an input still holding it: a
+repeated single image's replay copies only its pixels. A host-block write (NOTE [host block])
+forgets its positions' sources.
 """
 
 from __future__ import annotations
