@@ -622,9 +622,6 @@ class HostProgram:
         weakref.finalize(self, _forget_batches, self.serial, self._batches, self._batches_lock)
         counters["host_programs_built"] += 1
 
-    def __call__(self, *inputs):
-        return self.run(*inputs)[0]
-
     def run(self, *inputs) -> tuple:
         """(the host outputs, the batch's cache key or None): the key names the batch for
         ``moved`` / ``keep_moved``."""
@@ -681,7 +678,7 @@ class HostProgram:
             return
         for value in values.values():
             read_only.add(value)
-        metadata_store.put(("moved", self.serial, key), MovedBatch(stream, tuple(values.values()), dict(values)),
+        metadata_store.put(("moved", self.serial, key), MovedBatch(stream, dict(values)),
                            self.owner, self.share, pool="batch")
 
     def _state_tokens(self, inputs) -> tuple:

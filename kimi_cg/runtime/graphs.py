@@ -961,12 +961,12 @@ class BucketedGraphs:
                 continue
             static, value = bucket.inputs[i], inputs[i]
             if value in read_only:  # NOTE [moved batches]: unchanged since a copy of this very value?
-                source = (weakref.ref(value), self._patches(inputs) if rule.kind == "cu_seqlens" else None)
+                patches = self._patches(inputs) if rule.kind == "cu_seqlens" else None
                 held = bucket.sources.get(i)
-                if held is not None and held[0]() is value and held[1] == source[1]:
+                if held is not None and held[0]() is value and held[1] == patches:
                     counters["fills_skipped"] += 1
                     continue
-                bucket.sources[i] = source
+                bucket.sources[i] = (weakref.ref(value), patches)
             else:
                 bucket.sources.pop(i, None)
             if rule.kind == "rows":

@@ -39,7 +39,7 @@ DEFAULT_METADATA_BUDGET = 1 << 30
 
 
 def _storages(value) -> dict:
-    """Distinct storages in a tensor or a (nested) tuple/list of values: {(device, data_ptr): bytes}."""
+    """Distinct storages in a tensor or a (nested) tuple / list / dict of values: {(device, data_ptr): bytes}."""
     found = {}
     stack = [value]
     while stack:
@@ -49,6 +49,8 @@ def _storages(value) -> dict:
             found[(item.device, storage.data_ptr())] = storage.nbytes()
         elif isinstance(item, (tuple, list)):
             stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
         else:
             names = _field_names(type(item))  # a host stand-in (TableRows, RowCombination): its fields
             if names:

@@ -137,9 +137,7 @@ read_only = ReadOnly()
 @dataclasses.dataclass(frozen=True)
 class MovedBatch:
     """A cached batch's host outputs on the device (NOTE [moved batches]): ``values`` maps device-program
-    positions to the copies (``tensors`` lists them for the metadata store's byte count), made on
-    ``stream``: (their device, the CUDA stream's handle)."""
+    positions to the copies, made on ``stream``: (their device, the CUDA stream's handle)."""
 
     stream: tuple
-    tensors: tuple
     values: dict
