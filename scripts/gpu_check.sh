@@ -56,7 +56,7 @@ gpu_tests() {  # name, then pytest arguments; the log goes to $OUT/gpu_tests_<na
 }
 want gpu && gpu_tests gpu tests/test_gpu.py -k "not real and not transformers_tower and not exact_size"
 want gpu && gpu_tests kernels tests/test_kernels.py tests/test_varlen_attention.py tests/test_varlen_work_list.py \
-  tests/test_linear_gelu.py tests/test_table_gather.py tests/test_data_parallel.py
+  tests/test_linear_gelu.py tests/test_table_gather.py tests/test_unpack.py tests/test_data_parallel.py
 # The runtime's CUDA cases (host block, fills skipped for kept values); the rest of test_runtime runs in the core suite
 want gpu && gpu_tests runtime tests/test_runtime.py -k cuda
 want towers && gpu_tests towers tests/test_gpu.py -k transformers_tower

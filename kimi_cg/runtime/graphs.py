@@ -74,24 +74,28 @@ merge-gather plans: seven tensors for MoonViT). Moved one by one and padded on t
 copy each and two or three small kernels each for padding: about thirty launches per replay, seen
 sizes or not (``_fill``: 0.29-0.31 ms of host time per W4 request on an H100 host, 2026-12-07).
 With the ``host_block`` option a bucket keeps its host-made inputs (rules with ``host``, kinds in
-HOST_BLOCK_KINDS) as views of one device buffer, and two host copies of that buffer (pinned on
-CUDA), used in turn. A call writes its values into the next host copy with the padding ``_fill``
-would write (every row after the call's rows -1 / 0 for plans, zero for rows; boundaries as NOTE
-[segment tables]), restoring padding only over the rows the copy's previous call wrote (each copy
-keeps, per input, the rows it last wrote), then copies the whole buffer to the device in one copy
-on the current stream, ahead of the replay. A host copy is written again only after the event
-recorded after its copy. The runner leaves these values on the host (a replay needs them there) and
-moves them only when no replay runs (a split, the plain program); a value the host program made on
-the device, or of another dtype than the bucket's, takes ``_fill``'s path, after the block copy.
-The device buffer is as large as the separate buffers were; the host copies add twice that in
-host memory per bucket (``kimi_cg.memory_report()``).
-Measured: the first form, writing the host copies with torch's CPU ops, was slower than what it
-replaces on an H100 host (0346de0 against c615a9c, one process after the other: ``fill`` 0.45-0.49 ms
-p50 against 0.29-0.31 per W4 request; torch's CPU copies of a plan's size start its thread pool).
-The writes are numpy's now (one thread, ~1 us an op). On an H200 host (b7773f4, bench.py with the
-option off and on in one process) that form saved ~0.2 ms of W1's host time but added 0.9-1.9 ms to
-W4's: its host writes grow with the bucket (~1 MB at 8,192 rows) where ``_fill`` copies only the
-rows a call has and pads on the GPU. So the option stays off by default (docs/benchmarks.md).
+HOST_BLOCK_KINDS) as views of one device buffer, a packed buffer beside it on the device, and two
+host copies of the packed buffer (pinned on CUDA), used in turn. A call writes its values' bytes,
+unpadded, one after another into the next host copy, with a header saying where each starts and how
+many rows (and plan columns) it has, plus the call's patch rows; then copies the used bytes to the
+device in one copy on the current stream, ahead of the replay. The padding is written on the device:
+every graph of the bucket starts with ``kimi_cg.kernels.unpack``, one kernel per width, which reads
+the header and writes each static input as ``_fill`` would (rows after the call's: -1 / 0 for plans,
+zero for rows; boundaries as NOTE [segment tables]); an input the header does not mark written (a
+value the host program made on the device, or of another dtype than the bucket's: ``_fill``'s path)
+is left as ``_fill`` wrote it. A call with nothing to write still sends a header that marks nothing
+(once: the host remembers the device's header is clear). A host copy is written again only after
+the event recorded after its copy. The runner leaves these values on the host (a replay needs them
+there) and moves them only when no replay runs (a split, the plain program). A bucket run without a
+graph (the CPU, a failed capture) unpacks before the program, with the kernel's PyTorch reference on
+the CPU.
+The device buffers are twice as large as the separate buffers were (statics and the packed copy);
+the host copies add twice the packed size in host memory per bucket (``kimi_cg.memory_report()``).
+History: the first form wrote the host copies padded, in the bucket's layout, with torch's CPU ops
+and then numpy's (one thread, ~1 us an op). On an H200 host (b7773f4, bench.py with the option off
+and on in one process) it saved ~0.2 ms of W1's host time but added 0.9-1.9 ms to W4's: its host
+writes grow with the bucket (~1 MB at 8,192 rows) where ``_fill`` copies only the rows a call has
+and pads on the GPU. The packed form writes only the call's bytes, and pads inside the graph.
 
 All buckets share one graph memory pool and are captured largest first (smaller graphs reuse the
 largest one's blocks). Without CUDA the same padded path runs without capture (CPU tests cover
@@ -114,13 +118,14 @@ import weakref
 import numpy
 import torch
 
+import kimi_cg.kernels.unpack as unpack_kernel
 import kimi_cg.ops  # noqa: F401  (registers torch.ops.kimi_cg.*)
 from kimi_cg.capture import example_value, row_dim
 from kimi_cg.counters import counters, timings
 from kimi_cg.device_program import DeviceProgram
 from kimi_cg.fallback import record_fallback
 from kimi_cg.ops.varlen_attention import dense_single_segment, longest_segment_bound
-from kimi_cg.runtime.staging import current_stream, read_only
+from kimi_cg.runtime.staging import current_stream, read_only, write_bytes
 from kimi_cg.varlen_registry import argument, registered_bounds, registered_segments
 
 logger = logging.getLogger(__name__)
@@ -448,16 +453,15 @@ of the device's copies."""
 
 
 class _Stage:
-    """One host copy of a bucket's block: its bytes, a view per input (numpy, of signed integers as
-    wide as the input's dtype: writes are plain copies of bits), and per input the rows the last call
-    wrote there (real data; padding values after them)."""
+    """One host copy of a bucket's packed buffer (pinned on CUDA): the header as int64 (numpy), and
+    the event after its copy to the device."""
 
-    __slots__ = ("buffer", "views", "extents", "done")
+    __slots__ = ("buffer", "bytes", "header", "done")
 
-    def __init__(self, buffer: torch.Tensor, layout: dict):
-        self.buffer = buffer
-        self.views = {position: _bits(_view(buffer, *place)).numpy() for position, place in layout.items()}
-        self.extents = dict.fromkeys(layout, 0)
+    def __init__(self, nbytes: int, header_bytes: int, pinned: bool):
+        self.buffer = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        self.bytes = self.buffer.numpy()
+        self.header = self.bytes[:header_bytes].view(numpy.int64)
         self.done: torch.cuda.Event | None = None
 
 
@@ -470,45 +474,58 @@ _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's bits as signed integers of its width (numpy has no bfloat16; -1 stays -1 for an
-    integer tensor and 0 is 0.0 for a float one)."""
+    """The tensor's bits as signed integers of its width (-1 stays -1 for an integer tensor and 0 is
+    0.0 for a float one)."""
     return tensor.view(_BITS[tensor.element_size()])
 
 
-class _HostBlock:
-    """NOTE [host block]: a bucket's host-made static inputs as views of one device buffer, written
-    from host copies of it in one copy per call."""
+_UNPACKED_KINDS = {"rows": unpack_kernel.ROWS, "plan_index": unpack_kernel.PLAN, "plan_weight": unpack_kernel.PLAN,
+                   "cu_seqlens": unpack_kernel.BOUNDARIES}
 
-    def __init__(self, static: list, positions: list[int]):
+
+class _HostBlock:
+    """NOTE [host block]: a bucket's host-made static inputs as views of one device buffer, written on
+    the device from a packed copy of the call's values."""
+
+    def __init__(self, static: list, positions: list[int], rules: list, capacity: int):
         layout, total = {}, 0
         for position in positions:
             value = static[position]
             layout[position] = (total, tuple(value.shape), value.dtype)
-            total += -(-value.numel() * value.element_size() // _BLOCK_ALIGN) * _BLOCK_ALIGN
+            total += _aligned(value.numel() * value.element_size())
         device = static[positions[0]].device
         self.block = torch.empty(total, dtype=torch.uint8, device=device)
         self.layout = layout
+        self.slots = {position: slot for slot, position in enumerate(positions)}
+        self.kinds = {position: rules[position].kind for position in positions}
+        descriptors: dict[int, list] = {}
         for position in positions:  # the buffers as allocated (padding values) become views of the block
             view = _view(self.block, *layout[position])
             view.copy_(static[position])
             static[position] = view
-        self.initial = self.block.to("cpu", copy=True)  # what a new host copy starts from: every row padding
+            offset, shape, dtype = layout[position]
+            kind = self.kinds[position]
+            descriptors.setdefault(dtype.itemsize, []).append(
+                (self.slots[position], _UNPACKED_KINDS[kind], view.numel(),
+                 1 if kind == "cu_seqlens" else view.numel() // shape[0] if shape[0] else 1,
+                 offset // dtype.itemsize, -1 if kind == "plan_index" else 0, capacity))
+        # The header: HEADER_FIELDS int64 per slot, then the call's patch rows.
+        self.patches_slot = unpack_kernel.HEADER_FIELDS * len(positions)
+        self.header_bytes = _aligned(8 * (self.patches_slot + 1))
+        self.packed = torch.zeros(self.header_bytes + total, dtype=torch.uint8, device=device)
+        self.descriptors = {width: (torch.tensor(rows, dtype=torch.int64, device=device), max(row[2] for row in rows))
+                            for width, rows in descriptors.items()}
         self.stages: list[_Stage] = []
         self.turn = 0
-        self.padding_steps = None  # the bucket's, on the host (numpy)
+        self.header_clear = True  # the device's header marks no input written
 
     def host_bytes(self) -> int:
-        """Host memory it holds: its host copies (and, until both exist, the padding image they start from)."""
-        initial = self.initial.numel() if self.initial is not None else 0
-        return initial + sum(stage.buffer.numel() for stage in self.stages)
+        """Host memory it holds: its host copies."""
+        return sum(stage.buffer.numel() for stage in self.stages)
 
     def _next_stage(self) -> _Stage:
         if len(self.stages) < HOST_BLOCK_STAGES:
-            buffer = torch.empty(self.block.numel(), dtype=torch.uint8, pin_memory=self.block.is_cuda)
-            buffer.copy_(self.initial)
-            self.stages.append(_Stage(buffer, self.layout))
-            if len(self.stages) == HOST_BLOCK_STAGES:
-                self.initial = None
+            self.stages.append(_Stage(self.packed.numel(), self.header_bytes, self.block.is_cuda))
         stage = self.stages[self.turn]
         self.turn = (self.turn + 1) % HOST_BLOCK_STAGES
         if stage.done is not None:
@@ -516,48 +533,61 @@ class _HostBlock:
             stage.done = None
         return stage
 
-    def write(self, bucket: "_Bucket", rules: list, inputs, rows: int) -> list[int]:
-        """Writes the call's host-made values at the block's positions into a host copy, padded as
-        ``BucketedGraphs._fill`` pads them (numpy writes: NOTE [host block]), and copies it to the device;
-        the positions it wrote."""
-        written = [position for position in self.layout
-                   if inputs[position].device.type == "cpu" and inputs[position].dtype == self.layout[position][2]]
-        if not written:
+    def _fits(self, position: int, value: torch.Tensor) -> bool:
+        """A host-made value of the bucket's dtype that its static buffer holds (others go to ``_fill``)."""
+        _, shape, dtype = self.layout[position]
+        if value.device.type != "cpu" or value.dtype != dtype or value.dim() != len(shape):
+            return False
+        if self.kinds[position] == "rows":
+            return value.shape[0] <= shape[0] and tuple(value.shape[1:]) == shape[1:]
+        return all(have <= room for have, room in zip(value.shape, shape))
+
+    def write(self, inputs, rows: int) -> list[int]:
+        """Packs the call's host-made values at the block's positions into a host copy (each value's
+        bytes, unpadded; the header says where) and copies it to the device; ``unpack`` then writes the
+        static buffers, padded, inside the replay. The positions it will write."""
+        written = [position for position in self.layout if self._fits(position, inputs[position])]
+        if not written and self.header_clear:
             return written
         stage = self._next_stage()
+        header = stage.header
+        header[:] = 0
+        cursor = self.header_bytes
         for position in written:
-            value, view, kind = _bits(inputs[position]).numpy(), stage.views[position], rules[position].kind
-            if kind == "cu_seqlens":
-                count = value.shape[0]
-                view[:count] = value
-                padding = view[count:]
-                if padding.size:  # NOTE [segment tables]: as _fill writes them
-                    if self.padding_steps is None:
-                        self.padding_steps = bucket.padding_steps.cpu().numpy().astype(view.dtype)
-                    numpy.minimum(self.padding_steps[:padding.size] + rows, bucket.capacity, out=padding)
-                    padding[-1] = bucket.capacity
-                continue
-            pad = -1 if kind == "plan_index" else 0
-            count, before = value.shape[0], stage.extents[position]
-            if kind == "rows":
-                view[:count] = value
-            else:
-                frames = value.shape[1]
-                view[:count, :frames] = value
-                if frames < view.shape[1]:
-                    view[:count, frames:] = pad
-            if before > count:
-                view[count:before] = pad
-            stage.extents[position] = count
-        self.block.copy_(stage.buffer, non_blocking=True)
-        if self.block.is_cuda:
+            value = inputs[position]
+            width = value.element_size()
+            write_bytes(stage.buffer, stage.bytes, cursor, value)
+            fields = unpack_kernel.HEADER_FIELDS * self.slots[position]
+            header[fields:fields + 4] = (1, cursor // width, value.shape[0],
+                                         value.shape[1] if self.kinds[position] != "rows" and value.dim() > 1 else 0)
+            cursor += _aligned(value.numel() * width)
+        header[self.patches_slot] = rows
+        self.packed[:cursor].copy_(stage.buffer[:cursor], non_blocking=True)
+        if self.packed.is_cuda:
             stage.done = torch.cuda.Event()
             stage.done.record(current_stream())
+        self.header_clear = not written
         counters["host_block_copies"] += 1
         return written
 
+    def unpack(self) -> None:
+        """Writes the static buffers from the packed copy, as the header says (the kernel on CUDA, where
+        a bucket's graphs capture it; its reference on the CPU)."""
+        header = self.packed[:self.header_bytes].view(torch.int64)
+        for width, (descriptors, elements) in self.descriptors.items():
+            bits = _BITS[width]
+            packed, block = self.packed.view(bits), self.block.view(bits)
+            if self.block.is_cuda:
+                unpack_kernel.unpack(descriptors, header, packed, block, self.patches_slot, PADDING_SEGMENT_ROWS, elements)
+            else:
+                unpack_kernel.unpack_reference(descriptors, header, packed, block, self.patches_slot, PADDING_SEGMENT_ROWS)
+
 
 _BLOCK_ALIGN = 64
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _BLOCK_ALIGN) * _BLOCK_ALIGN
 
 
 class _Bucket:
@@ -947,12 +977,12 @@ class BucketedGraphs:
 
     def _host_block(self, bucket: _Bucket) -> _HostBlock | None:
         positions = [i for i in self.host_block_positions if isinstance(bucket.inputs[i], torch.Tensor)]
-        return _HostBlock(bucket.inputs, positions) if positions else None
+        return _HostBlock(bucket.inputs, positions, self.rules, bucket.capacity) if positions else None
 
     def _fill(self, bucket: _Bucket, inputs) -> None:
         capacity = bucket.capacity
         # NOTE [host block]: first, so that the copies below overwrite what it wrote at their positions
-        written = bucket.host_block.write(bucket, self.rules, inputs, self._patches(inputs)) if bucket.host_block else ()
+        written = bucket.host_block.write(inputs, self._patches(inputs)) if bucket.host_block else ()
         if written:  # it rewrote every position of its block
             for i in bucket.host_block.layout:
                 bucket.sources.pop(i, None)
@@ -1066,23 +1096,30 @@ class BucketedGraphs:
             if self.poison_pool:
                 self._fill_pool_with_nan(arguments)
         # Two warm-up runs: compile, autotune, cuDNN plans and allocator warm-up stay out of the graph.
-        bucket.graph, bucket.outputs, bucket.graph_bytes = self._captured(arguments, dense, warm_up_runs=2)
+        bucket.graph, bucket.outputs, bucket.graph_bytes = self._captured(arguments, dense, warm_up_runs=2,
+                                                                          host_block=bucket.host_block)
         self.graph_bytes += bucket.graph_bytes
         counters["exact_size_captures" if exact else "captures"] += 1
 
-    def _captured(self, arguments, context, warm_up_runs: int, into: tuple | None = None):
+    def _captured(self, arguments, context, warm_up_runs: int, into: tuple | None = None,
+                  host_block: _HostBlock | None = None):
         """(graph, outputs, bytes it added to the pool): the program on ``arguments`` under
         ``context``, run ``warm_up_runs`` times on the side stream, then captured into the pool. With
-        ``into``, the graph copies its outputs into those buffers (its own die inside the capture)."""
+        ``into``, the graph copies its outputs into those buffers (its own die inside the capture);
+        with ``host_block``, it first unpacks the block's inputs (NOTE [host block])."""
         before = torch.cuda.memory_allocated()
         stream = _side_stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), context:
             for _ in range(warm_up_runs):
+                if host_block is not None:
+                    host_block.unpack()
                 self.program(*arguments)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool), context:
+            if host_block is not None:
+                host_block.unpack()
             outputs = tuple(self.program(*arguments))
             if into is not None:
                 _copy_outputs(outputs, into)
@@ -1111,7 +1148,7 @@ class BucketedGraphs:
             for bound in bucket.bounds:
                 # One warm-up run (the allocator's): the program is compiled already.
                 graph, _, grown = self._captured(arguments, longest_segment_bound(bucket.capacity, bound),
-                                                 warm_up_runs=1, into=bucket.outputs)
+                                                 warm_up_runs=1, into=bucket.outputs, host_block=bucket.host_block)
                 bucket.class_graphs[bound] = graph
                 bucket.graph_bytes += grown
                 self.graph_bytes += grown
@@ -1196,6 +1233,8 @@ class BucketedGraphs:
                 if bound is not None:
                     counters["length_class_replays"] += 1
             else:
+                if bucket.host_block is not None:
+                    bucket.host_block.unpack()
                 with _attention_context(capacity, exact, bound):
                     outputs = tuple(self.program(*self._arguments(bucket, inputs)))
                 counters["padded_runs"] += 1
