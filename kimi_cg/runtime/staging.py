@@ -23,6 +23,7 @@ import dataclasses
 import threading
 import weakref
 
+import numpy
 import torch
 
 STAGED_BYTES = 1 << 16
@@ -108,11 +109,26 @@ def write_bytes(buffer: torch.Tensor, array, start: int, value: torch.Tensor) ->
     others (strided, conjugate or negative views, or values that require grad) by torch's copy."""
     nbytes = value.numel() * value.element_size()
     stage = buffer[start:start + nbytes].view(value.dtype).view(value.shape)
-    if value.is_contiguous() and not (value.requires_grad or value.is_conj() or value.is_neg()):
-        array[start:start + nbytes] = value.reshape(-1).view(torch.uint8).numpy()
-    else:
+    if not pack_bytes(array, start, value):
         stage.copy_(value)
     return stage
+
+
+# dtypes whose CPU tensors ``numpy()`` takes as they are; others go by their bits (bfloat16 has no numpy dtype)
+_NUMPY_DTYPES = frozenset((torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
+                           torch.int8, torch.uint8, torch.bool))
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def pack_bytes(array, start: int, value: torch.Tensor) -> bool:
+    """numpy's copy of a dense CPU value's bytes into the uint8 numpy ``array`` at byte ``start``;
+    False (nothing written) for a value numpy cannot read as it is (strided, a conjugate or negative
+    view, one that requires grad): the caller copies it with torch."""
+    if not value.is_contiguous() or value.requires_grad or value.is_conj() or value.is_neg():
+        return False
+    source = value.numpy() if value.dtype in _NUMPY_DTYPES else value.view(_BITS[value.element_size()]).numpy()
+    array[start:start + source.nbytes] = source.reshape(-1).view(numpy.uint8)
+    return True
 
 
 class ReadOnly:
