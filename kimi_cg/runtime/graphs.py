@@ -1000,9 +1000,8 @@ class BucketedGraphs:
         capacity = bucket.capacity
         # NOTE [host block]: first, so that the copies below overwrite what it wrote at their positions
         written = bucket.host_block.write(inputs, self._patches(inputs)) if bucket.host_block else ()
-        if written:  # it rewrote every position of its block
-            for i in bucket.host_block.layout:
-                bucket.sources.pop(i, None)
+        for i in written:  # the unpack writes these; the block's other positions are _fill's below
+            bucket.sources.pop(i, None)
         for i, rule in self.padded:
             if i in written:
                 continue
