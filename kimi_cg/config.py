@@ -117,10 +117,13 @@ class KimiCGConfig:
     device and checks the tables' content every call (NOTE [state tokens])."""
 
     host_block: bool = False
-    """A bucket's host-made inputs (plans, segment boundaries) as views of one device buffer, written
-    from host copies in one copy per call instead of a copy and padding kernels each. Off: measured
-    slower on large buckets (NOTE [host block] in runtime/graphs.py says what was measured); on for
-    A/B runs (``scripts/host_phases.py --host-block``, bench.py's ``kimi_cg_host_block``)."""
+    """A bucket's host-made inputs (plans, segment boundaries) packed unpadded into one pinned copy per
+    call and padded on the device by a kernel inside the bucket's graphs, instead of a copy and padding
+    kernels each (NOTE [host block] in runtime/graphs.py). On an H100 host (e2e7acb, 2026-12-07) a new
+    W4 request's host time fell 0.96 ms and a seen one's 0.39 ms, but a repeated single image packed
+    its values again each call (+0.77 ms on W1); e7e87dc skips that copy, not yet measured on a GPU,
+    so the option stays off until it is. On for A/B runs (``scripts/host_phases.py --host-block``,
+    bench.py's ``kimi_cg_host_block``)."""
 
     poison_graph_pool: bool = False
     """Testing aid: fill the CUDA-graph memory pool with NaN before capturing, so that any read of
