@@ -43,13 +43,15 @@ def _unpack_kernel(
     block_ptr,
     patches_slot,
     PADDING_ROWS: tl.constexpr,
+    DESCRIPTOR_FIELDS: tl.constexpr,
+    HEADER_FIELDS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
     # Program (k, b): elements [b * BLOCK_SIZE, (b + 1) * BLOCK_SIZE) of descriptor k's input. Programs
     # past an input's end, or of an input the call did not write, store nothing.
     k = tl.program_id(0).to(tl.int64)
     start = tl.program_id(1).to(tl.int64) * BLOCK_SIZE
-    descriptor = descriptor_ptr + k * 7
+    descriptor = descriptor_ptr + k * DESCRIPTOR_FIELDS
     slot = tl.load(descriptor)
     kind = tl.load(descriptor + 1)
     elements = tl.load(descriptor + 2)
@@ -57,23 +59,24 @@ def _unpack_kernel(
     first = tl.load(descriptor + 4)
     padding = tl.load(descriptor + 5)
     capacity = tl.load(descriptor + 6)
-    written = tl.load(header_ptr + slot * 4)
+    fields = header_ptr + slot * HEADER_FIELDS
+    written = tl.load(fields)
     if (written != 0) & (start < elements):
-        source = tl.load(header_ptr + slot * 4 + 1)
-        count = tl.load(header_ptr + slot * 4 + 2)
-        frames = tl.load(header_ptr + slot * 4 + 3)
+        source = tl.load(fields + 1)
+        count = tl.load(fields + 2)
+        frames = tl.load(fields + 3)
         patches = tl.load(header_ptr + patches_slot)
         e = start + tl.arange(0, BLOCK_SIZE).to(tl.int64)
         inside = e < elements
         row = e // width
         column = e % width
-        is_plan = kind == 1
+        is_plan = kind == 1  # PLAN (ROWS 0, BOUNDARIES 2)
         valid = (row < count) & ((column < frames) | (kind != 1))
         offset = tl.where(is_plan, row * frames + column, e)
         value = tl.load(packed_ptr + source + offset, mask=inside & valid, other=0)
         step = tl.minimum(patches + PADDING_ROWS * (e - count + 1), capacity)
         boundary = tl.where(e == elements - 1, capacity, step)
-        fill = tl.where(kind == 2, boundary, padding)
+        fill = tl.where(kind == 2, boundary, padding)  # BOUNDARIES
         out = tl.where(valid, value, fill.to(value.dtype))
         tl.store(block_ptr + first + e, out, mask=inside)
 
@@ -86,8 +89,8 @@ def unpack(descriptors: torch.Tensor, header: torch.Tensor, packed: torch.Tensor
         return
     grid = (descriptors.shape[0], triton.cdiv(max_elements, BLOCK_SIZE))
     with on_device_of(block):
-        _unpack_kernel[grid](descriptors, header, packed, block, patches_slot,
-                             PADDING_ROWS=padding_rows, BLOCK_SIZE=BLOCK_SIZE)
+        _unpack_kernel[grid](descriptors, header, packed, block, patches_slot, PADDING_ROWS=padding_rows,
+                             DESCRIPTOR_FIELDS=DESCRIPTOR_FIELDS, HEADER_FIELDS=HEADER_FIELDS, BLOCK_SIZE=BLOCK_SIZE)
 
 
 def unpack_reference(descriptors: torch.Tensor, header: torch.Tensor, packed: torch.Tensor, block: torch.Tensor,
