@@ -39,6 +39,10 @@ CASES = [
     ("moonvit", "real", 48),
     ("moonvit3d", "real", 48),
     ("moonvit", "real-host-tables", 48),  # NOTE [table gathers] off: the host computes the tables' values
+    # NOTE [host block] on: host-made inputs packed in one copy, padded by the unpack kernel inside the graphs
+    ("moonvit", "tiny-host-block", 300),
+    ("moonvit3d", "tiny-host-block", 150),
+    ("moonvit", "real-host-block", 48),
 ]
 
 
@@ -71,11 +75,13 @@ def test_graph_replays_match_eager_bf16(tower, size, count):
     torch.manual_seed(0)
     video = tower == "moonvit3d"
     config_class, model_class = (MoonViT3dConfig, MoonViT3dPretrainedModel) if video else (MoonVitConfig, MoonVitPretrainedModel)
-    config = config_class.tiny() if size == "tiny" else config_class()
+    tiny = size.startswith("tiny")
+    config = config_class.tiny() if tiny else config_class()
     reference = model_class(config).cuda().eval()  # fp32
     model = copy.deepcopy(reference).to(torch.bfloat16)
-    options = {"poison_graph_pool": True, "table_gathers": not size.endswith("host-tables")}
-    if size == "tiny":
+    options = {"poison_graph_pool": True, "table_gathers": not size.endswith("host-tables"),
+               "host_block": size.endswith("host-block")}
+    if tiny:
         options["token_budgets"] = [512, 1024, 2048, 4096, 8192]
     compiled = torch.compile(model, backend="kimi_cg", options=options)  # one compiled model for all examples
     make_inputs = pixel_inputs("cuda", torch.bfloat16)
@@ -105,6 +111,8 @@ def test_graph_replays_match_eager_bf16(tower, size, count):
         assert counters.get("table_gathers", 0) >= 1, counters
     else:
         assert counters.get("table_gathers", 0) == 0, counters
+    if options["host_block"]:  # the replays took their host-made inputs through the bucket's packed copy
+        assert counters.get("host_block_copies", 0) > 0, counters
     # NOTE [segment-length classes]: bounded graphs were made and replayed, in the poisoned pool.
     assert counters.get("length_class_replays", 0) > 0 and counters.get("length_class_failures", 0) == 0, counters
     _record(f"{tower}-{size}", report, counters,
