@@ -95,21 +95,23 @@ def unpack(descriptors: torch.Tensor, header: torch.Tensor, packed: torch.Tensor
 
 def unpack_reference(descriptors: torch.Tensor, header: torch.Tensor, packed: torch.Tensor, block: torch.Tensor,
                      patches_slot: int, padding_rows: int) -> None:
-    """What ``unpack`` writes, in PyTorch ops (host reads of the header: for the CPU and tests)."""
+    """What ``unpack`` writes, with slices of the packed value instead of index arithmetic (host reads of
+    the header: for the CPU and tests)."""
     table, head = descriptors.tolist(), header.tolist()
     patches = head[patches_slot]
     for slot, kind, elements, width, first, padding, capacity in table:
         written, source, count, frames = head[HEADER_FIELDS * slot:HEADER_FIELDS * (slot + 1)]
         if not written:
             continue
-        e = torch.arange(elements, device=block.device)
-        row, column = e // width, e % width
-        valid = (row < count) & ((column < frames) | (kind != PLAN))
-        offset = torch.where(valid, source + (row * frames + column if kind == PLAN else e), 0)
+        static = block[first:first + elements]
         if kind == BOUNDARIES:
-            fill = (patches + padding_rows * (e - count + 1)).clamp(max=capacity)
-            fill[-1:] = capacity
-        else:
-            fill = torch.full_like(e, padding)
-        value = packed[offset] if packed.numel() else torch.zeros_like(e, dtype=packed.dtype)
-        block[first:first + elements] = torch.where(valid, value, fill.to(packed.dtype))
+            static[:count] = packed[source:source + count]
+            steps = torch.arange(1, elements - count + 1, device=block.device) * padding_rows + patches
+            static[count:] = steps.clamp(max=capacity).to(packed.dtype)
+            if count < elements:
+                static[-1] = capacity
+            continue
+        columns = frames if kind == PLAN else width
+        rows = static.view(elements // width, width)
+        rows.fill_(padding)
+        rows[:count, :columns] = packed[source:source + count * columns].view(count, columns)
