@@ -1,6 +1,6 @@
 """Unpacking a call's host-made inputs into a bucket's padded buffers, on the device (NOTE [host block]).
 
-    packed:      [P] one buffer, viewed as int64 for the header and as signed integers of an input's
+    packed:      [P] one buffer, viewed as int64 for the header and as integers of an input's
                  width for its values; the header holds, for input slot s, four int64 at 4 * s:
                  written (0 or 1), the value's first element (in elements of its width), its rows
                  (count), its columns (frames, plans only); after the last slot, the call's patch rows
@@ -84,7 +84,7 @@ def _unpack_kernel(
 def unpack(descriptors: torch.Tensor, header: torch.Tensor, packed: torch.Tensor, block: torch.Tensor,
            patches_slot: int, padding_rows: int, max_elements: int) -> None:
     """The kernel over ``descriptors`` (one width: ``packed`` and ``block`` viewed as that width's
-    signed integers); ``max_elements``: the largest input's elements (the grid's second dim)."""
+    integers: runtime/staging.py's BITS); ``max_elements``: the largest input's elements (the grid's second dim)."""
     if descriptors.shape[0] == 0 or max_elements == 0:
         return
     grid = (descriptors.shape[0], triton.cdiv(max_elements, BLOCK_SIZE))

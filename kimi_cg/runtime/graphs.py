@@ -125,7 +125,7 @@ from kimi_cg.counters import counters, timings
 from kimi_cg.device_program import DeviceProgram
 from kimi_cg.fallback import record_fallback
 from kimi_cg.ops.varlen_attention import dense_single_segment, longest_segment_bound
-from kimi_cg.runtime.staging import current_stream, pack_bytes, read_only, write_bytes
+from kimi_cg.runtime.staging import BITS, current_stream, pack_bytes, read_only
 from kimi_cg.varlen_registry import argument, registered_bounds, registered_segments
 
 logger = logging.getLogger(__name__)
@@ -470,15 +470,6 @@ def _view(block: torch.Tensor, offset: int, shape: tuple, dtype: torch.dtype) ->
     return block[offset:offset + nbytes].view(dtype).view(shape)
 
 
-_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _bits(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's bits as signed integers of its width (-1 stays -1 for an integer tensor and 0 is
-    0.0 for a float one)."""
-    return tensor.view(_BITS[tensor.element_size()])
-
-
 _UNPACKED_KINDS = {"rows": unpack_kernel.ROWS, "plan_index": unpack_kernel.PLAN, "plan_weight": unpack_kernel.PLAN,
                    "cu_seqlens": unpack_kernel.BOUNDARIES}
 
@@ -555,9 +546,8 @@ class _HostBlock:
         if not written and self.header_clear:
             return written
         held = self.held
-        if (held is not None and held[0] == rows and len(held[1]) == len(written)
-                and all(ref() is inputs[position] for position, ref in zip(written, held[1]))
-                and held[2] == written):
+        if (held is not None and held[0] == rows and held[2] == written
+                and all(ref() is inputs[position] for position, ref in zip(written, held[1]))):
             counters["fills_skipped"] += len(written)
             return written
         stage = self._next_stage()
@@ -567,8 +557,8 @@ class _HostBlock:
         for position in written:
             value = inputs[position]
             width = value.element_size()
-            if not pack_bytes(array, cursor, value):
-                write_bytes(stage.buffer, array, cursor, value)
+            if not pack_bytes(array, cursor, value):  # a strided or flagged value: torch's copy
+                _view(stage.buffer, cursor, tuple(value.shape), value.dtype).copy_(value)
             fields = unpack_kernel.HEADER_FIELDS * self.slots[position]
             header[fields] = 1
             header[fields + 1] = cursor // width
@@ -592,7 +582,7 @@ class _HostBlock:
         a bucket's graphs capture it; its reference on the CPU)."""
         header = self.packed[:self.header_bytes].view(torch.int64)
         for width, (descriptors, elements) in self.descriptors.items():
-            bits = _BITS[width]
+            bits = BITS[width]
             packed, block = self.packed.view(bits), self.block.view(bits)
             if self.block.is_cuda:
                 unpack_kernel.unpack(descriptors, header, packed, block, self.patches_slot, PADDING_SEGMENT_ROWS, elements)

@@ -117,7 +117,8 @@ def write_bytes(buffer: torch.Tensor, array, start: int, value: torch.Tensor) ->
 # dtypes whose CPU tensors ``numpy()`` takes as they are; others go by their bits (bfloat16 has no numpy dtype)
 _NUMPY_DTYPES = frozenset((torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
                            torch.int8, torch.uint8, torch.bool))
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""An integer dtype per element width: a tensor viewed as it copies or compares its bits exactly."""
 
 
 def pack_bytes(array, start: int, value: torch.Tensor) -> bool:
@@ -126,7 +127,7 @@ def pack_bytes(array, start: int, value: torch.Tensor) -> bool:
     view, one that requires grad): the caller copies it with torch."""
     if not value.is_contiguous() or value.requires_grad or value.is_conj() or value.is_neg():
         return False
-    source = value.numpy() if value.dtype in _NUMPY_DTYPES else value.view(_BITS[value.element_size()]).numpy()
+    source = value.numpy() if value.dtype in _NUMPY_DTYPES else value.view(BITS[value.element_size()]).numpy()
     array[start:start + source.nbytes] = source.reshape(-1).view(numpy.uint8)
     return True
 

@@ -32,8 +32,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from kimi_cg.counters import counters
-
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+from kimi_cg.runtime.staging import BITS
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -42,7 +41,7 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
         tensor = torch.view_as_real(tensor)
     if tensor.dtype == torch.bool:
         return tensor
-    return tensor.view(_BITS[tensor.element_size()]) if tensor.is_floating_point() else tensor
+    return tensor.view(BITS[tensor.element_size()]) if tensor.is_floating_point() else tensor
 
 
 def _layout(tensor: torch.Tensor) -> tuple:
