@@ -116,14 +116,15 @@ class KimiCGConfig:
     21.4 against 23.4 ms per request. False: the host computes the tables' per-item values on the
     device and checks the tables' content every call (NOTE [state tokens])."""
 
-    host_block: bool = False
+    host_block: bool = True
     """A bucket's host-made inputs (plans, segment boundaries) packed unpadded into one pinned copy per
     call and padded on the device by a kernel inside the bucket's graphs, instead of a copy and padding
-    kernels each (NOTE [host block] in runtime/graphs.py). On an H100 host (e2e7acb, 2026-12-07) a new
-    W4 request's host time fell 0.96 ms and a seen one's 0.39 ms, but a repeated single image packed
-    its values again each call (+0.77 ms on W1); e7e87dc skips that copy, not yet measured on a GPU,
-    so the option stays off until it is. On for A/B runs (``scripts/host_phases.py --host-block``,
-    bench.py's ``kimi_cg_host_block``)."""
+    kernels each (NOTE [host block] in runtime/graphs.py). On by default since 2026-12-07: on an H100
+    host (3c0fc12, one process) a new W4 request's rest fell 1.97 -> 1.73 ms, seen sizes and a repeated
+    single image (W1) within 0.06 ms of the plain fill (0.96 ms less for new sizes on a slower host at
+    e2e7acb). False: each host-made input takes its own copy and padding (``_fill``), and a repeated
+    batch keeps its device copies (NOTE [moved batches]); ``scripts/host_phases.py --no-host-block``,
+    bench.py's ``kimi_cg_no_host_block`` for A/B runs."""
 
     poison_graph_pool: bool = False
     """Testing aid: fill the CUDA-graph memory pool with NaN before capturing, so that any read of

@@ -194,7 +194,8 @@ KIMI_CG_VARIANTS = {
     "kimi_cg_max_autotune": {"inductor_config": {"max_autotune": True, "max_autotune_gemm": True}},
     "kimi_cg_small_buckets": {"min_tokens": 256},  # the ladder from 256 patches: W5's requests pad less
     "kimi_cg_large_buckets": {"max_tokens": 32768},  # W4_3d's requests over 16,384 rows replay unsplit
-    "kimi_cg_host_block": {"host_block": True},  # NOTE [host block] on: host-made inputs in one copy per call
+    "kimi_cg_host_block": {"host_block": True},  # NOTE [host block] on (the default since 2026-12-07)
+    "kimi_cg_no_host_block": {"host_block": False},  # NOTE [host block] off: a copy and padding per host-made input
 }
 
 

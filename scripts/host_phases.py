@@ -141,7 +141,9 @@ def main() -> None:
     parser.add_argument("--table-gathers", action="store_true",
                         help="option table_gathers=True: the device reads the tables with host plans (A/B)")
     parser.add_argument("--host-block", action="store_true",
-                        help="option host_block=True: host-made inputs in one copy per call (NOTE [host block], A/B)")
+                        help="option host_block=True: host-made inputs in one copy per call (NOTE [host block]; the default)")
+    parser.add_argument("--no-host-block", action="store_true",
+                        help="option host_block=False: a copy and padding per host-made input (A/B)")
     parser.add_argument("--smoke-test-on-cpu", action="store_true",
                         help="tiny config on the CPU (bucket path without capture), to check this script")
     args = parser.parse_args()
@@ -152,8 +154,8 @@ def main() -> None:
         sys.exit("host_phases.py needs a GPU (or --smoke-test-on-cpu)")
     if args.no_table_gathers or args.table_gathers:
         options = {**(options or {}), "table_gathers": bool(args.table_gathers)}
-    if args.host_block:
-        options = {**(options or {}), "host_block": True}
+    if args.host_block or args.no_host_block:
+        options = {**(options or {}), "host_block": not args.no_host_block}
     torch.manual_seed(0)
     model = MoonVitPretrainedModel(config).to(bench.DEVICE, torch.bfloat16).eval()
     compiled = torch.compile(model, backend="kimi_cg", options=options)

@@ -143,25 +143,30 @@ def test_blocks_marked_as_regions_replay_graphs_bf16(monkeypatch):
     assert counters.get("lift_fallbacks", 0) == 0 and counters.get("graph_replays", 0) > 0, counters
 
 
-def test_repeated_single_images_replay_exact_size_graphs_bf16():
+@pytest.mark.parametrize("host_block", [False, True], ids=["moved-batches", "host-block"])
+def test_repeated_single_images_replay_exact_size_graphs_bf16(host_block):
     """NOTE [exact-size graphs]: real-size MoonViT, single images repeated; from a size's third call
     it replays a graph of its exact rows with cuDNN attention, in a NaN-poisoned pool, within the
     bf16 rule against an fp32 reference. Multi-image calls in between keep replaying buckets."""
     torch.manual_seed(0)
     reference = MoonVitPretrainedModel(MoonVitConfig()).cuda().eval()  # fp32
     model = copy.deepcopy(reference).to(torch.bfloat16)
-    compiled = torch.compile(model, backend="kimi_cg", options={"poison_graph_pool": True})
+    compiled = torch.compile(model, backend="kimi_cg", options={"poison_graph_pool": True, "host_block": host_block})
     sizes = [[32, 32], [16, 16], [30, 46], [64, 64], [128, 128]]
     grids = [[size] for size in sizes for _ in range(4)] + [[[32, 32], [16, 16]], [[30, 46], [64, 64]]]
     report = kimi_cg.testing.assert_matches_eager(model, compiled, pixel_inputs("cuda", torch.bfloat16), grids,
                                                   reference=reference, no_fallbacks=True)
     counters = dict(kimi_cg.counters)
-    _record("moonvit-real-exact-size", report, counters)
+    _record("moonvit-real-exact-size" + ("-host-block" if host_block else ""), report, counters)
     assert counters.get("exact_size_captures", 0) == len(sizes), counters
     assert counters.get("exact_size_replays", 0) == 2 * len(sizes), counters  # the third and fourth call of each
     assert counters.get("exact_size_graph_failures", 0) == 0, counters
-    # NOTE [moved batches]: a repeated image's plans stay on the GPU, and its exact-size replays find them in place
-    assert counters.get("moved_batch_hits", 0) >= 2 * len(sizes) and counters.get("fills_skipped", 0) > 0, counters
+    assert counters.get("fills_skipped", 0) > 0, counters
+    if host_block:  # NOTE [host block]: a size's second call on a graph finds its values in the packed copy
+        # (one copy for the size's bucket graph, one for its exact-size graph; each of the two pairs one)
+        assert 0 < counters.get("host_block_copies", 0) <= len(grids) - 2 * len(sizes), counters
+    else:  # NOTE [moved batches]: a repeated image's plans stay on the GPU, its exact-size replays find them
+        assert counters.get("moved_batch_hits", 0) >= 2 * len(sizes), counters
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
