@@ -140,9 +140,10 @@ def main() -> None:
                         help="option table_gathers=False: the host computes the tables' per-item values (A/B)")
     parser.add_argument("--table-gathers", action="store_true",
                         help="option table_gathers=True: the device reads the tables with host plans (A/B)")
-    parser.add_argument("--host-block", action="store_true",
+    block = parser.add_mutually_exclusive_group()
+    block.add_argument("--host-block", action="store_true",
                         help="option host_block=True: host-made inputs in one copy per call (NOTE [host block]; the default)")
-    parser.add_argument("--no-host-block", action="store_true",
+    block.add_argument("--no-host-block", action="store_true",
                         help="option host_block=False: a copy and padding per host-made input (A/B)")
     parser.add_argument("--smoke-test-on-cpu", action="store_true",
                         help="tiny config on the CPU (bucket path without capture), to check this script")

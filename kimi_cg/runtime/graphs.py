@@ -73,7 +73,7 @@ The host program makes a call's plans and boundaries on the CPU (cu_seqlens, tab
 merge-gather plans: seven tensors for MoonViT). Moved one by one and padded on the GPU, they cost a
 copy each and two or three small kernels each for padding: about thirty launches per replay, seen
 sizes or not (``_fill``: 0.29-0.31 ms of host time per W4 request on an H100 host, 2026-12-07).
-With the ``host_block`` option a bucket keeps its host-made inputs (rules with ``host``, kinds in
+With the ``host_block`` option (on by default) a bucket keeps its host-made inputs (rules with ``host``, kinds in
 HOST_BLOCK_KINDS) as views of one device buffer, a packed buffer beside it on the device, and two
 host copies of the packed buffer (pinned on CUDA), used in turn. A call writes its values' bytes,
 unpadded, one after another into the next host copy, with a header saying where each starts and how

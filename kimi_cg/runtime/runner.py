@@ -13,7 +13,8 @@ NOTE [mutation and lifting]); both are registered in ``staging.read_only``. A bu
 read-only value each static input was last filled from (``_Bucket.sources``, with the patch count
 the padding of a boundary table depends on), and ``_fill`` skips an input still holding it: a
 repeated single image's replay copies only its pixels. A host-block write (NOTE [host block])
-forgets its positions' sources.
+forgets its positions' sources. With the host block on (the default), a replay takes the inputs its
+bucket's block holds from the host directly: moved copies serve the others, and calls no graph runs.
 """
 
 from __future__ import annotations
