@@ -557,7 +557,7 @@ def main() -> None:
                     replay = replay_only_ms(1024) if DEVICE == "cuda" else None
                     summary["replay_only_ms"] = replay
                     summary["host_overhead_ms"] = statistics.median(times) - replay if replay else None
-                    extras["W1_kimi_cg_host_profile"] = host_profile(system, grid)
+                    extras[f"W1_{name}_host_profile"] = host_profile(system, grid)  # per system: A/B runs keep each
                 record(workload, name, summary)
             if "W4" in workloads:
                 run = run_stream(system, lambda: compile_count(name, system), warm_stream, stream, seed=100,
