@@ -42,6 +42,8 @@ def _unpack_kernel(
     packed_ptr,
     block_ptr,
     patches_slot,
+    PLAN_KIND: tl.constexpr,
+    BOUNDARIES_KIND: tl.constexpr,
     PADDING_ROWS: tl.constexpr,
     DESCRIPTOR_FIELDS: tl.constexpr,
     HEADER_FIELDS: tl.constexpr,
@@ -70,13 +72,13 @@ def _unpack_kernel(
         inside = e < elements
         row = e // width
         column = e % width
-        is_plan = kind == 1  # PLAN (ROWS 0, BOUNDARIES 2)
-        valid = (row < count) & ((column < frames) | (kind != 1))
+        is_plan = kind == PLAN_KIND
+        valid = (row < count) & ((column < frames) | (kind != PLAN_KIND))
         offset = tl.where(is_plan, row * frames + column, e)
         value = tl.load(packed_ptr + source + offset, mask=inside & valid, other=0)
         step = tl.minimum(patches + PADDING_ROWS * (e - count + 1), capacity)
         boundary = tl.where(e == elements - 1, capacity, step)
-        fill = tl.where(kind == 2, boundary, padding)  # BOUNDARIES
+        fill = tl.where(kind == BOUNDARIES_KIND, boundary, padding)
         out = tl.where(valid, value, fill.to(value.dtype))
         tl.store(block_ptr + first + e, out, mask=inside)
 
@@ -89,8 +91,8 @@ def unpack(descriptors: torch.Tensor, header: torch.Tensor, packed: torch.Tensor
         return
     grid = (descriptors.shape[0], triton.cdiv(max_elements, BLOCK_SIZE))
     with on_device_of(block):
-        _unpack_kernel[grid](descriptors, header, packed, block, patches_slot, PADDING_ROWS=padding_rows,
-                             DESCRIPTOR_FIELDS=DESCRIPTOR_FIELDS, HEADER_FIELDS=HEADER_FIELDS, BLOCK_SIZE=BLOCK_SIZE)
+        _unpack_kernel[grid](descriptors, header, packed, block, patches_slot, PLAN_KIND=PLAN, BOUNDARIES_KIND=BOUNDARIES,
+                             PADDING_ROWS=padding_rows, DESCRIPTOR_FIELDS=DESCRIPTOR_FIELDS, HEADER_FIELDS=HEADER_FIELDS, BLOCK_SIZE=BLOCK_SIZE)
 
 
 def unpack_reference(descriptors: torch.Tensor, header: torch.Tensor, packed: torch.Tensor, block: torch.Tensor,
