@@ -91,8 +91,9 @@ def unpack(descriptors: torch.Tensor, header: torch.Tensor, packed: torch.Tensor
         return
     grid = (descriptors.shape[0], triton.cdiv(max_elements, BLOCK_SIZE))
     with on_device_of(block):
-        _unpack_kernel[grid](descriptors, header, packed, block, patches_slot, PLAN_KIND=PLAN, BOUNDARIES_KIND=BOUNDARIES,
-                             PADDING_ROWS=padding_rows, DESCRIPTOR_FIELDS=DESCRIPTOR_FIELDS, HEADER_FIELDS=HEADER_FIELDS, BLOCK_SIZE=BLOCK_SIZE)
+        _unpack_kernel[grid](descriptors, header, packed, block, patches_slot, PLAN_KIND=PLAN,
+                             BOUNDARIES_KIND=BOUNDARIES, PADDING_ROWS=padding_rows,
+                             DESCRIPTOR_FIELDS=DESCRIPTOR_FIELDS, HEADER_FIELDS=HEADER_FIELDS, BLOCK_SIZE=BLOCK_SIZE)
 
 
 def unpack_reference(descriptors: torch.Tensor, header: torch.Tensor, packed: torch.Tensor, block: torch.Tensor,
