@@ -2,7 +2,10 @@
 # GPU proof on the H200: core tests under the GPU machine's torch, the GPU tests (CUDA-graph replays
 # vs eager in bf16, fuzzed, poisoned pool; data_parallel over NCCL where the host has two GPUs), then a
 # short summary. Parts, each meant for a call of at most 10 minutes (`all` runs them one after another):
-#   gpu     tiny towers, kernels, attention, program cache, data_parallel; the core CPU suite beside them
+#   gpu     tiny towers, program cache, threads; the core CPU suite beside them (test_gpu alone took 487 s on
+#           a slower H100 host at ee37e63, 2026-12-07: kernels have their own part so each fits one call)
+#   kernels the kernels (merge gather, resize, unpack, table gather, attention, linear + GELU), data_parallel,
+#           and the runtime's CUDA cases
 #   towers  transformers' towers (tiny, bf16, fuzzed; ~40 s each on the H200, 2026-12-05)
 #   real    real-size Kimi-VL / MoonViT3d fuzz and exact-size graphs
 #   cpu     the other CPU suites (foreign towers, program fuzz, reliability, testing, dumps)
@@ -24,7 +27,7 @@ export KIMI_CG_GPU_SUMMARY="$OUT/gpu_summary.json"
 rm -f "$KIMI_CG_GPU_SUMMARY"  # the GPU tests add their cases to it, part after part
 status=0
 part=${1:-all}
-case "$part" in all|gpu|towers|real|cpu|families) ;; *) echo "usage: $0 [all|gpu|towers|real|cpu|families]" >&2; exit 2 ;; esac
+case "$part" in all|gpu|kernels|towers|real|cpu|families) ;; *) echo "usage: $0 [all|gpu|kernels|towers|real|cpu|families]" >&2; exit 2 ;; esac
 want() { [ "$part" = all ] || [ "$part" = "$1" ]; }
 # The core (CPU) suite under this machine's torch runs beside the GPU tests, on the CPU only
 # (dynamo's unbacked-integer handling differs between torch versions). Full logs go to $OUT as they
@@ -55,10 +58,10 @@ gpu_tests() {  # name, then pytest arguments; the log goes to $OUT/gpu_tests_<na
   tail -15 "$OUT/gpu_tests_$name.txt"
 }
 want gpu && gpu_tests gpu tests/test_gpu.py -k "not real and not transformers_tower and not exact_size"
-want gpu && gpu_tests kernels tests/test_kernels.py tests/test_varlen_attention.py tests/test_varlen_work_list.py \
+want kernels && gpu_tests kernels tests/test_kernels.py tests/test_varlen_attention.py tests/test_varlen_work_list.py \
   tests/test_linear_gelu.py tests/test_table_gather.py tests/test_unpack.py tests/test_data_parallel.py
 # The runtime's CUDA cases (host block, fills skipped for kept values); the rest of test_runtime runs in the core suite
-want gpu && gpu_tests runtime tests/test_runtime.py -k cuda
+want kernels && gpu_tests runtime tests/test_runtime.py -k cuda
 want towers && gpu_tests towers tests/test_gpu.py -k transformers_tower
 want real && gpu_tests real tests/test_gpu.py -k "real or exact_size"
 if want families; then
@@ -70,7 +73,7 @@ if [ -n "$core" ]; then wait $core || status=1; tail -8 "$OUT/core_tests.txt"; f
 if [ -n "$foreign" ]; then wait $foreign || status=1; tail -8 "$OUT/foreign_tests.txt"; fi
 if [ -n "$reliability" ]; then wait $reliability || status=1; tail -8 "$OUT/reliability_tests.txt"; fi
 if [ -n "$testing" ]; then wait $testing || status=1; tail -8 "$OUT/testing_dump_tests.txt"; fi
-{ want gpu || want towers || want real; } && python3 - "$KIMI_CG_GPU_SUMMARY" <<'PY'
+{ want gpu || want kernels || want towers || want real; } && python3 - "$KIMI_CG_GPU_SUMMARY" <<'PY'
 import json, sys
 try:
     data = json.load(open(sys.argv[1]))
