@@ -25,6 +25,13 @@ metadata misses per request. --warm-up-stream warms with bench.py's W4 warm-up r
 
     python scripts/host_phases.py --cpu-time --warm-up-stream --compare-resize --out resize_ab.json
 
+--tower moonvit3d runs MoonViT3d (Kimi-K2.5's tower, the W4_3d benchmark's) on bench.py's W4_3d streams (20% video
+chunks; a request over the largest bucket is split into several replays, ``split_calls`` in the counters) instead
+of the Kimi-VL tower on W4's, with the warm-up item [1, 16, 16]. "state_tokens" (the module-state check: a content
+comparison, one host sync, for a table the host reads) is then timed in both modes, within "host".
+
+    python scripts/host_phases.py --tower moonvit3d --warm-up-stream --out phases_3d.json
+
 --compare-resize instead runs six fresh 30-request streams (new image sizes) in one process,
 alternating the position-grid resize of host programs between the CUDA kernel
 (kimi_cg/kernels/resize.py) and the two-matrix form it replaced (kimi_cg/ops/resize.py's CPU path,
@@ -49,7 +56,9 @@ import bench  # noqa: E402  (the same streams and inputs as the benchmarks)
 import kimi_cg  # noqa: E402
 from kimi_cg.device_program import DeviceProgram  # noqa: E402
 from kimi_cg.host_program import HostProgram, ItemValue  # noqa: E402
-from kimi_cg.models import MoonVitConfig, MoonVitPretrainedModel  # noqa: E402
+from kimi_cg.models import (  # noqa: E402
+    MoonViT3dConfig, MoonViT3dPretrainedModel, MoonVitConfig, MoonVitPretrainedModel,
+)
 from kimi_cg.runtime.graphs import BucketedGraphs  # noqa: E402
 from kimi_cg.runtime import runner as runner_module  # noqa: E402
 from kimi_cg.runtime.runner import LiftedRunner  # noqa: E402
@@ -57,6 +66,8 @@ from kimi_cg.runtime.state_tokens import StateTokens  # noqa: E402
 
 PHASES = collections.Counter()
 SYNCHRONISE = True  # False with --cpu-time
+STATE_TOKENS = False  # --tower moonvit3d: also time the module-state check when synchronised
+VIDEO_FRACTION = 0.0  # --tower moonvit3d: bench.py's W4_3d streams
 
 
 def timed(name: str, function):
@@ -82,13 +93,16 @@ def instrument() -> None:
     DeviceProgram.output_rows = timed("output_rows", DeviceProgram.output_rows)
     if SYNCHRONISE:
         torch.cuda.CUDAGraph.replay = timed("replay", torch.cuda.CUDAGraph.replay)
+        if STATE_TOKENS:
+            StateTokens.validate = timed("state_tokens", StateTokens.validate)
     else:
         torch.cuda.CUDAGraph.replay = timed("graph_launch", torch.cuda.CUDAGraph.replay)
         StateTokens.validate = timed("state_tokens", StateTokens.validate)
 
 
 def measure(system, requests) -> dict:
-    names = ("call", "runner", "host", "item_values", "move", "fill", "replay", "output_rows") if SYNCHRONISE else (
+    names = ("call", "runner", "host", "item_values", "move", "fill", "replay", "output_rows",
+             *(("state_tokens",) if STATE_TOKENS else ())) if SYNCHRONISE else (
         "call", "call_cpu", "runner", "host", "item_values", "state_tokens", "move", "fill", "output_rows", "graph_launch",
         "misses")
     per_request = collections.defaultdict(list)
@@ -119,7 +133,8 @@ def compare_resize(compiled, rounds: int = 6, requests: int = 30) -> dict:
         for index in range(rounds):
             label = "kernel" if index % 2 == 0 else "matrices"
             resize.use_triton = kernel_rule if label == "kernel" else (lambda x: False)
-            stream = [bench.make_inputs(grid, 100 * index + i) for i, grid in enumerate(bench.request_stream(20 + index, requests))]
+            grids = bench.request_stream(20 + index, requests, video_fraction=VIDEO_FRACTION)
+            stream = [bench.make_inputs(grid, 100 * index + i) for i, grid in enumerate(grids)]
             row = {k: round(v["mean_ms"], 3) for k, v in measure(compiled, stream).items()}
             rows[label].append(row)
             print(label, json.dumps(row), flush=True)
@@ -145,12 +160,19 @@ def main() -> None:
                         help="option host_block=True: host-made inputs in one copy per call (NOTE [host block]; the default)")
     block.add_argument("--no-host-block", action="store_true",
                         help="option host_block=False: a copy and padding per host-made input (A/B)")
+    parser.add_argument("--tower", choices=("moonvit", "moonvit3d"), default="moonvit",
+                        help="moonvit3d: MoonViT3d on the W4_3d streams (see above)")
     parser.add_argument("--smoke-test-on-cpu", action="store_true",
                         help="tiny config on the CPU (bucket path without capture), to check this script")
     args = parser.parse_args()
-    config, options = MoonVitConfig(), None
+    global SYNCHRONISE, STATE_TOKENS, VIDEO_FRACTION
+    three_d = args.tower == "moonvit3d"
+    config_class, model_class = ((MoonViT3dConfig, MoonViT3dPretrainedModel) if three_d
+                                 else (MoonVitConfig, MoonVitPretrainedModel))
+    config, options = config_class(), None
+    STATE_TOKENS, VIDEO_FRACTION = three_d, 0.2 if three_d else 0.0
     if args.smoke_test_on_cpu:
-        bench.DEVICE, config, options = "cpu", MoonVitConfig.tiny(), {"cuda_graphs": True}
+        bench.DEVICE, config, options = "cpu", config_class.tiny(), {"cuda_graphs": True}
     elif not torch.cuda.is_available():
         sys.exit("host_phases.py needs a GPU (or --smoke-test-on-cpu)")
     if args.no_table_gathers or args.table_gathers:
@@ -158,27 +180,28 @@ def main() -> None:
     if args.host_block or args.no_host_block:
         options = {**(options or {}), "host_block": not args.no_host_block}
     torch.manual_seed(0)
-    model = MoonVitPretrainedModel(config).to(bench.DEVICE, torch.bfloat16).eval()
+    model = model_class(config).to(bench.DEVICE, torch.bfloat16).eval()
     compiled = torch.compile(model, backend="kimi_cg", options=options)
     report = {"machine": torch.cuda.get_device_name() if bench.DEVICE == "cuda" else "cpu (smoke test)", "torch": torch.__version__,
               "command": "python scripts/host_phases.py " + " ".join(sys.argv[1:])}
-    global SYNCHRONISE
     SYNCHRONISE = not args.cpu_time
     if args.warm_up_stream:
         start = time.perf_counter()
         with torch.no_grad():
-            for i, grid in enumerate(bench.warmup_stream(seed=40)):
+            for i, grid in enumerate(bench.warmup_stream(seed=40, video_fraction=VIDEO_FRACTION)):
                 compiled(*bench.make_inputs(grid, 500 + i))
         bench.synchronize()
         report["warm_up"] = {"stream_s": time.perf_counter() - start}
     else:
-        report["warm_up"] = kimi_cg.warm_up(compiled, *bench.make_inputs([[16, 16]], 0), max_items=8)
+        item = [[1, 16, 16]] if three_d else [[16, 16]]
+        report["warm_up"] = kimi_cg.warm_up(compiled, *bench.make_inputs(item, 0), max_items=8)
     print("warm_up", json.dumps(report["warm_up"]), flush=True)
     if args.compare_resize:
         report["compare_resize"] = compare_resize(compiled)
     else:
-        stream = [bench.make_inputs(grid, 100 + i) for i, grid in enumerate(bench.request_stream(4, args.requests))]
-        other = [bench.make_inputs(grid, 900 + i) for i, grid in enumerate(bench.request_stream(9, args.requests))]
+        streams = [bench.request_stream(seed, args.requests, video_fraction=VIDEO_FRACTION) for seed in (4, 9)]
+        stream = [bench.make_inputs(grid, 100 + i) for i, grid in enumerate(streams[0])]
+        other = [bench.make_inputs(grid, 900 + i) for i, grid in enumerate(streams[1])]
         instrument()
         for label, requests in (("first_pass", stream), ("second_pass_seen_sizes", stream), ("new_stream", other)):
             report[label] = measure(compiled, requests)
