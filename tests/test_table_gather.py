@@ -71,6 +71,48 @@ def test_permutes_unsqueezes_getitems_and_flattens_follow_the_feature_dim():
     assert torch.equal(_gather(table, tr.table_transpose(_source(table), 0, 1)), table.transpose(0, 1))
 
 
+@settings(max_examples=40, deadline=None)
+@given(chunks=st.lists(st.tuples(st.integers(1, 4), st.integers(1, 6), st.sampled_from([0.0, 1.0, -2.5])),
+                       min_size=1, max_size=4))
+def test_scaled_and_expanded_reads_gather_exactly(chunks):
+    """NOTE [sums of table reads]: MoonViT3d's time rows, a slice scaled by a 0-dim flag and broadcast."""
+    table = torch.randn(6, 5, dtype=torch.float32)
+    real, stand_in = [], []
+    for t, patches, factor in chunks:
+        flag = torch.tensor(factor)
+        real.append((table[:t] * flag).unsqueeze(1).expand(t, patches, 5).flatten(end_dim=1))
+        rows = tr.table_scale(tr.table_getitem(_source(table), slice(None, t)), flag)
+        stand_in.append(tr.table_flatten(tr.table_expand(tr.table_unsqueeze(rows, 1), t, patches, 5), end_dim=1))
+    expected, rows = torch.cat(real), tr.table_cat(stand_in)
+    assert rows.shape == tuple(expected.shape)
+    assert torch.equal(_gather(table, rows), expected)
+    assert tr.table_source((6,), 5).weight is None  # the cached source is never written
+
+
+@pytest.mark.parametrize("factor", [0.0, 1.0, 3.0])
+def test_a_scaled_pairs_read_scales_each_product_once(factor):
+    table = torch.randn(7, 5, 3, dtype=torch.float32)
+    rows = tr.table_bicubic_pairs(_own_grid(table), 9, 4, *tr.affine_grid(_own_grid(table)))
+    kept = rows.row_weight.clone()
+    rows = tr.table_flatten(tr.table_permute(tr.table_squeeze(tr.table_scale(rows, factor), 0), 1, 2, 0), end_dim=1)
+    real = F.interpolate(table.permute(2, 0, 1).unsqueeze(0), size=(9, 4), mode="bicubic")
+    real = real.squeeze(0).permute(1, 2, 0).flatten(end_dim=1) * factor
+    torch.testing.assert_close(_gather(table, rows), real, atol=1e-5, rtol=1e-5)
+    assert torch.equal(tr._pair_part(7, 9, 0, 5)[1], kept)  # the cached taps are not scaled in place
+
+
+@pytest.mark.parametrize("step, call", [
+    ("an expand that adds a dim", lambda rows: tr.table_expand(rows, 2, 6, 7, 4)),
+    ("an expand of the features", lambda rows: tr.table_expand(rows, 6, 7, 8)),
+    ("a product with a vector", lambda rows: tr.table_scale(rows, torch.ones(4))),
+    ("a product with a complex number", lambda rows: tr.table_scale(rows, torch.tensor(1j))),
+    ("a product with a bool", lambda rows: tr.table_scale(rows, True)),
+])
+def test_expands_and_products_that_are_not_table_reads_are_refused(step, call):
+    with pytest.raises(tr.NotATableRead):
+        call(tr.table_source((6, 7), 4))
+
+
 @pytest.mark.parametrize("step, call", [
     ("a slice of the features", lambda rows: tr.table_getitem(rows, (slice(None), slice(None), slice(0, 2)))),
     ("a view that changes the features", lambda rows: tr.table_view(rows, -1, 2)),
@@ -375,7 +417,16 @@ def test_video_tower_reads_its_tables_on_the_device(options):
         for seed, grid in enumerate(grids):
             expected, out = _run(model, compiled, grid, seed)
             torch.testing.assert_close(_flat(out), _flat(expected), atol=1e-5, rtol=1e-5)
-    assert kimi_cg.counters["table_gathers"] >= 1
+        # The device reads every table itself (NOTE [sums of table reads]): a write through .data shows.
+        model.patch_embed.pos_emb.weight.data.mul_(2.0)
+        model.patch_embed.pos_emb.time_weight.data.mul_(-1.5)
+        expected, out = _run(model, compiled, grids[2], 2)
+        torch.testing.assert_close(_flat(out), _flat(expected), atol=1e-5, rtol=1e-5)
+    # RoPE, the position grid (its resize as pairs) and the time rows, per dynamo graph
+    assert kimi_cg.counters["table_gathers"] >= 3
+    assert kimi_cg.counters["table_gather_pairs"] >= 1
+    assert kimi_cg.counters["table_sums_split"] >= 1
+    assert kimi_cg.counters["state_content_checks"] == 0  # no host program reads a table
 
 
 def test_the_option_off_computes_the_tables_on_the_host():

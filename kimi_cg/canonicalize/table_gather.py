@@ -50,12 +50,13 @@ _METHODS = {
     "view": tr.table_view, "reshape": tr.table_reshape, "permute": tr.table_permute, "transpose": tr.table_transpose,
     "contiguous": tr.table_identity, "clone": tr.table_identity, "flatten": tr.table_flatten,
     "unsqueeze": tr.table_unsqueeze, "squeeze": tr.table_squeeze, "repeat": tr.table_repeat,
+    "expand": tr.table_expand, "mul": tr.table_scale,
 }
 _FUNCTIONS = {
     operator.getitem: tr.table_getitem, torch.cat: tr.table_cat, torch.concat: tr.table_cat,
     torch.permute: tr.table_permute, torch.reshape: tr.table_reshape, torch.flatten: tr.table_flatten,
     torch.transpose: tr.table_transpose, torch.unsqueeze: tr.table_unsqueeze, torch.squeeze: tr.table_squeeze,
-    torch.ops.kimi_cg.bicubic_resize.default: tr.table_bicubic,
+    torch.ops.kimi_cg.bicubic_resize.default: tr.table_bicubic, operator.mul: tr.table_scale, torch.mul: tr.table_scale,
 }
 
 
@@ -132,6 +133,17 @@ def _axis_after(node: torch.fx.Node, axes: dict, feature: int) -> int:
     if function is tr.table_bicubic:
         tr.bicubic_check(ndim, axis)
         return axis
+    if function is tr.table_expand:
+        tr.expand_check(ndim, axis, feature, rest)
+        return axis
+    if function is tr.table_scale:
+        if len(node.args) != 2 or node.kwargs:
+            raise tr.NotATableRead("a product of other than two factors")
+        factor = node.args[1]
+        tr.scale_check(example_value(factor) if isinstance(factor, torch.fx.Node) else factor)
+        if example_value(node).dtype != example_value(source).dtype:
+            raise tr.NotATableRead("a product that changes the table's dtype")
+        return axis
     if function is tr.table_identity:
         if node.kwargs or len(node.args) > 1:
             raise tr.NotATableRead("contiguous / clone with arguments")
@@ -206,7 +218,7 @@ def _feeds_device(node: torch.fx.Node, activation: set, depth: int = 4) -> bool:
     if not node.users:
         return False
     for user in node.users:
-        if user in activation:
+        if user in activation or user.meta.get(DEVICE_PLACEMENT):  # NOTE [sums of table reads]: a device add
             continue
         is_view = (user.op == "call_method" and user.target in _VIEWS
                    or user.op == "call_function" and user.target in (torch.view_as_real, torch.view_as_complex,
@@ -226,6 +238,122 @@ def _table_anchor(node: torch.fx.Node) -> int | None:
     return value.shape[-1]
 
 
+# NOTE [sums of table reads]
+# MoonViT3d's position term of a chunk is its resized grid repeated over the t frames plus a time row
+# per frame (a second table, ``time_weight[:t]``, scaled by the chunk's 0 / 1 video flag and broadcast
+# over the patches), flattened, and the chunks' terms concatenated. A sum of two reads is not a read of
+# one table, so the pass found no single exit and the host computed the whole [rows, D] term on each new
+# size (the resize, the repeat, the add: most of a new 3D request's host pass, and a table the host reads
+# must be checked every call). ``cat([flatten(a_i + b_i)])`` is split here, before the regions are found,
+# into ``cat([flatten(a_i)]) + cat([flatten(b_i.expand(a_i's sizes))])``: the same element sums (a_i has
+# the sum's shape, b_i broadcasts to it, all three of one dtype), so the same numbers. Each cat is then a
+# read of one table, gathered on the device (the time rows with ``table_scale``: the flag scales their
+# plan's weights; ``table_expand``: the broadcast), and the add between them is marked for the device. A
+# split whose two sides both stay host values has its mark taken off again (one host tensor, as before).
+_FLATTEN_METHODS = frozenset({"flatten", "reshape"})  # not view: the expanded side is not contiguous
+
+
+def _flattened_sum(piece: torch.fx.Node, activation: set, anchors: set):
+    """(full, broadcast) when ``piece`` is ``(full + broadcast).flatten(...)`` (or a reshape with literal
+    sizes) used once, of reads of module state, the sum having ``full``'s shape and one dtype."""
+    is_flatten = (piece.op == "call_method" and piece.target in _FLATTEN_METHODS
+                  or piece.op == "call_function" and piece.target is torch.flatten)
+    if not is_flatten or len(piece.users) != 1 or piece.all_input_nodes[:1] != [piece.args[0]] \
+            or len(piece.all_input_nodes) != 1:
+        return None
+    total = piece.args[0]
+    is_add = (total.op == "call_function" and total.target in (operator.add, torch.add)
+              or total.op == "call_method" and total.target == "add")
+    if not is_add or len(total.args) != 2 or total.kwargs or len(total.users) != 1:
+        return None
+    left, right = total.args
+    if not (isinstance(left, torch.fx.Node) and isinstance(right, torch.fx.Node)) or left is right:
+        return None
+    if left in activation or right in activation:
+        return None
+    values = [example_value(n) for n in (total, left, right)]
+    if not all(isinstance(v, torch.Tensor) for v in values) or len({v.dtype for v in values}) != 1:
+        return None
+    if len({v.dim() for v in values}) != 1:
+        return None
+    sizes = [tuple(str(size) for size in v.shape) for v in values]
+    for full, other, full_sizes in ((left, right, sizes[1]), (right, left, sizes[2])):
+        if full_sizes == sizes[0] and _reads_state(full, anchors) and _reads_state(other, anchors):
+            return full, other
+    return None
+
+
+def _reads_state(node: torch.fx.Node, anchors: set, depth: int = 16) -> bool:
+    """Whether ``node`` is computed from a module-state tensor (within ``depth`` steps)."""
+    seen, frontier = set(), [node]
+    for _ in range(depth):
+        following = []
+        for current in frontier:
+            if current in anchors:
+                return True
+            for arg in current.all_input_nodes:
+                if arg not in seen:
+                    seen.add(arg)
+                    following.append(arg)
+        frontier = following
+    return False
+
+
+def _split_table_sums(graph: torch.fx.Graph, activation: set, anchors: set) -> list[torch.fx.Node]:
+    """NOTE [sums of table reads]: the adds that replaced a split cat."""
+    from kimi_cg.canonicalize.base import _fake_value
+
+    splits = []
+    for cat in list(graph.nodes):
+        if cat.op != "call_function" or cat.target not in (torch.cat, torch.concat) or cat in activation:
+            continue
+        pieces = cat.args[0] if cat.args else None
+        if not isinstance(pieces, (list, tuple)) or not pieces or not all(isinstance(p, torch.fx.Node) for p in pieces):
+            continue
+        if "tensors" in cat.kwargs or not _feeds_device(cat, activation):
+            continue
+        found = [_flattened_sum(piece, activation, anchors) for piece in pieces]
+        if any(pair is None for pair in found):
+            continue
+        made = []
+
+        def add(node: torch.fx.Node) -> torch.fx.Node:
+            made.append(node)
+            node.meta["stack_trace"] = cat.meta.get("stack_trace")
+            node.meta["val"] = _fake_value(node)
+            if node.meta["val"] is None:
+                raise tr.NotATableRead("no example value")
+            return node
+
+        try:
+            with graph.inserting_before(cat):
+                sides = ([], [])
+                for piece, (full, other) in zip(pieces, found):
+                    sizes = [size if isinstance(size, int) else
+                             add(graph.call_function(torch.ops.aten.sym_size.int, (full, d)))
+                             for d, size in enumerate(example_value(full).shape)]
+                    expanded = add(graph.call_method("expand", (other, *sizes)))
+                    for side, value in zip(sides, (full, expanded)):
+                        side.append(add(graph.create_node(piece.op, piece.target, (value, *piece.args[1:]),
+                                                          dict(piece.kwargs))))
+                first, second = (add(graph.call_function(cat.target, (side, *cat.args[1:]), dict(cat.kwargs)))
+                                 for side in sides)
+                total = add(graph.call_function(operator.add, (first, second)))
+        except Exception:  # noqa: BLE001 - a form the fake values refuse: the cat stays as it was
+            for node in reversed(made):
+                graph.erase_node(node)
+            continue
+        total.meta[DEVICE_PLACEMENT] = True
+        cat.replace_all_uses_with(total)
+        graph.erase_node(cat)
+        for piece in pieces:
+            summed = piece.args[0]
+            graph.erase_node(piece)
+            graph.erase_node(summed)
+        splits.append(total)
+    return splits
+
+
 class TableGatherPass(GraphPass):
     name = "table_gather"
 
@@ -239,6 +367,7 @@ class TableGatherPass(GraphPass):
         # device) stays a host read, copied in as before.
         devices = {example_value(item.node).device for item in inputs if item.role is capture.InputRole.ACTIVATION
                    and isinstance(example_value(item.node), torch.Tensor)}
+        splits = _split_table_sums(graph, activation, set(anchors))  # NOTE [sums of table reads]
         gathered = []
         for anchor in anchors:
             feature = _table_anchor(anchor)
@@ -248,10 +377,19 @@ class TableGatherPass(GraphPass):
             if found is not None:
                 self._rewrite(graph, anchor, feature, *found)
                 gathered.append(anchor.name)
-        if gathered:
+        kept_splits = 0
+        for total in splits:  # a split whose sides both stay host values goes back to the host
+            if any(arg.op == "call_function" and arg.target is torch.ops.kimi_cg.table_gather.default
+                   for side in total.all_input_nodes for arg in [side] + side.all_input_nodes):
+                kept_splits += 1
+            else:
+                del total.meta[DEVICE_PLACEMENT]
+        counters["table_sums_split"] += kept_splits
+        if gathered or splits:
             stable_topological_sort(graph)
+        if gathered:
             counters["table_gathers"] += len(gathered)
-        return {"tables": len(gathered), "anchors": gathered}
+        return {"tables": len(gathered), "anchors": gathered, "sums_split": kept_splits}
 
     @staticmethod
     def _region(graph, anchor, feature, activation, mutated):

@@ -15,8 +15,9 @@ table no host program reads needs no check and no snapshot.
 
 The stand-in keeps the real tensor's dims, the feature dim held as size 1 (its position is
 ``axis``), plus a trailing K dim of terms, so movement ops (permute, unsqueeze, squeeze, flatten,
-getitem, view/reshape, cat, repeat) apply to it almost unchanged. Anything that mixes features or
-is not a movement op is not a table read: the pass leaves such chains alone.
+getitem, view/reshape, cat, repeat, expand) apply to it almost unchanged, and a product with a number
+or a 0-dim tensor scales its weights (NOTE [sums of table reads] in canonicalize/table_gather.py). Anything
+else that mixes features or is not a movement op is not a table read: the pass leaves such chains alone.
 
 Plans are int32 (a table has far fewer than 2**31 rows). A bicubic resize of the table's own grid
 (each row of the read is table row base + y * row_step + x * column_step, proven by the pass at
@@ -361,6 +362,22 @@ def repeat_check(ndim: int, axis: int, sizes) -> tuple:
     return sizes
 
 
+def expand_check(ndim: int, axis: int, feature: int, sizes) -> tuple:
+    """An expand's sizes, one per dim (no new dims), the feature dim's kept (-1 or its size)."""
+    sizes = _dims_argument(sizes)
+    if len(sizes) != ndim or not (sizes[axis] == -1 or sizes[axis] == feature):
+        raise NotATableRead(f"expand {tuple(sizes)} adds dims or changes the feature dim")
+    return sizes
+
+
+def scale_check(factor) -> None:
+    """A factor a read may be multiplied by: a number or a one-element 0-dim tensor (of any device)."""
+    if isinstance(factor, bool) or not (isinstance(factor, (int, float, torch.SymInt, torch.SymFloat))
+                                        or isinstance(factor, torch.Tensor) and factor.dim() == 0
+                                        and not factor.is_complex()):
+        raise NotATableRead("a product with something other than a real number or a 0-dim tensor")
+
+
 def cat_check(ndim: int, axis: int, dim: int) -> None:
     if normalize_dim(dim, ndim) == axis:
         raise NotATableRead("cat along the feature dim")
@@ -491,6 +508,27 @@ def cat_outer(outers) -> int:
 def table_repeat(rows: TableRows, *sizes) -> TableRows:
     sizes = repeat_check(rows.ndim, rows.axis, sizes)
     return rows.map(lambda t: t.repeat(*sizes, 1), rows.axis)
+
+
+def table_expand(rows: TableRows, *sizes) -> TableRows:
+    """``expand`` of a read to sizes of its own dims (NOTE [sums of table reads]): a view, as torch's."""
+    sizes = expand_check(rows.ndim, rows.axis, rows.dim, sizes)
+    keep = tuple(-1 if d == rows.axis else int(size) for d, size in enumerate(sizes))
+    return concrete(rows).map(lambda t: t.expand(*keep, t.shape[-1]), rows.axis)
+
+
+def table_scale(rows: TableRows, factor) -> TableRows:
+    """``rows * factor`` for a number or a 0-dim tensor (NOTE [sums of table reads]): its weights scaled,
+    in float32 (for pairs the row taps' only, so each product is scaled once)."""
+    scale_check(factor)
+    value = float(factor)
+    rows = concrete(rows)
+    weight = weights(rows).clone()
+    if rows.outer:
+        weight[..., :rows.outer] *= value
+    else:
+        weight *= value
+    return TableRows(rows.index, weight, rows.axis, rows.dim, rows.outer)
 
 
 @functools.lru_cache(maxsize=1024)
