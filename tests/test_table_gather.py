@@ -429,6 +429,43 @@ def test_video_tower_reads_its_tables_on_the_device(options):
     assert kimi_cg.counters["state_content_checks"] == 0  # no host program reads a table
 
 
+class _SumOfReads(torch.nn.Module):
+    """Per item a slice of one table plus a slice of another scaled by a flag from the grid and broadcast
+    (MoonViT3d's form, NOTE [sums of table reads]); ``twice``: each term joined twice, a form not split."""
+
+    def __init__(self, twice: bool = False, dim: int = 6):
+        super().__init__()
+        self.grid_table = torch.nn.Parameter(torch.randn(9, 9, dim))
+        self.register_buffer("rows_table", torch.randn(9, dim))
+        self.proj = torch.nn.Linear(dim, dim)
+        self.twice = twice
+
+    def forward(self, x, grid):
+        terms = []
+        for i, (h, w) in enumerate(grid.tolist()):
+            flag = (grid[i, 0] > 2).to(self.rows_table.dtype)
+            term = (self.grid_table[:h, :w] + (self.rows_table[:h] * flag).unsqueeze(1)).flatten(end_dim=1)
+            terms += [term, term] if self.twice else [term]
+        pos = torch.cat(terms)
+        return self.proj(x + (pos[: x.shape[0]] if self.twice else pos))
+
+
+@pytest.mark.parametrize("options", PATHS)
+@pytest.mark.parametrize("twice", [False, True])
+def test_a_sum_of_two_table_reads_is_split_and_gathered(options, twice):
+    model, compiled = _with_table_gathers(lambda: _SumOfReads(twice), options)
+    with torch.no_grad():
+        for seed, grid in enumerate([[[3, 4], [1, 5]], [[2, 2]], [[4, 1], [5, 3], [2, 6]], [[9, 9]]]):
+            grid = torch.tensor(grid)
+            x = torch.randn(int(grid.prod(-1).sum()), 6, generator=torch.Generator().manual_seed(seed))
+            torch.testing.assert_close(compiled(x, grid), model(x, grid), atol=1e-5, rtol=1e-5)
+    if twice:  # a term joined twice is left alone, read on the host (and checked there)
+        assert kimi_cg.counters["table_sums_split"] == 0 and kimi_cg.counters["state_content_checks"] > 0
+    else:
+        assert kimi_cg.counters["table_sums_split"] >= 1 and kimi_cg.counters["table_gathers"] >= 2
+        assert kimi_cg.counters["state_content_checks"] == 0
+
+
 def test_the_option_off_computes_the_tables_on_the_host():
     torch.manual_seed(0)
     kimi_cg.reset()

@@ -91,7 +91,7 @@ def readable_with_shapes(gm: torch.fx.GraphModule) -> str:
         for node in gm.graph.nodes:
             if node.op not in ("call_function", "call_method") or "val" in node.meta or "example_value" in node.meta:
                 continue
-            value = _fake_value(node)
+            value = fake_value(node)
             if value is not None:
                 node.meta["val"] = value
                 added.append(node)
@@ -101,7 +101,8 @@ def readable_with_shapes(gm: torch.fx.GraphModule) -> str:
             del node.meta["val"]
 
 
-def _fake_value(node: torch.fx.Node):
+def fake_value(node: torch.fx.Node):
+    """``node`` run on the fake values of its inputs (a node a pass created); None where that fails."""
     def value_of(arg):
         return example_value(arg) if isinstance(arg, torch.fx.Node) else arg
 

@@ -39,7 +39,7 @@ import kimi_cg.ops  # noqa: F401  (registers torch.ops.kimi_cg.*)
 from kimi_cg import capture
 from kimi_cg.aliasing import Aliasing
 from kimi_cg.capture import example_value
-from kimi_cg.canonicalize.base import GraphPass, replay_before, stable_topological_sort
+from kimi_cg.canonicalize.base import GraphPass, fake_value, replay_before, stable_topological_sort
 from kimi_cg.counters import counters
 from kimi_cg.lift import activation_dependent_nodes
 from kimi_cg.runtime import table_rows as tr
@@ -258,8 +258,7 @@ def _flattened_sum(piece: torch.fx.Node, activation: set, anchors: set):
     sizes) used once, of reads of module state, the sum having ``full``'s shape and one dtype."""
     is_flatten = (piece.op == "call_method" and piece.target in _FLATTEN_METHODS
                   or piece.op == "call_function" and piece.target is torch.flatten)
-    if not is_flatten or len(piece.users) != 1 or piece.all_input_nodes[:1] != [piece.args[0]] \
-            or len(piece.all_input_nodes) != 1:
+    if not is_flatten or not piece.args or len(piece.users) != 1 or piece.all_input_nodes != [piece.args[0]]:
         return None
     total = piece.args[0]
     is_add = (total.op == "call_function" and total.target in (operator.add, torch.add)
@@ -301,14 +300,13 @@ def _reads_state(node: torch.fx.Node, anchors: set, depth: int = 16) -> bool:
 
 def _split_table_sums(graph: torch.fx.Graph, activation: set, anchors: set) -> list[torch.fx.Node]:
     """NOTE [sums of table reads]: the adds that replaced a split cat."""
-    from kimi_cg.canonicalize.base import _fake_value
-
     splits = []
     for cat in list(graph.nodes):
         if cat.op != "call_function" or cat.target not in (torch.cat, torch.concat) or cat in activation:
             continue
         pieces = cat.args[0] if cat.args else None
-        if not isinstance(pieces, (list, tuple)) or not pieces or not all(isinstance(p, torch.fx.Node) for p in pieces):
+        if (not isinstance(pieces, (list, tuple)) or not pieces or len(set(pieces)) != len(pieces)
+                or not all(isinstance(p, torch.fx.Node) for p in pieces)):
             continue
         if "tensors" in cat.kwargs or not _feeds_device(cat, activation):
             continue
@@ -320,7 +318,7 @@ def _split_table_sums(graph: torch.fx.Graph, activation: set, anchors: set) -> l
         def add(node: torch.fx.Node) -> torch.fx.Node:
             made.append(node)
             node.meta["stack_trace"] = cat.meta.get("stack_trace")
-            node.meta["val"] = _fake_value(node)
+            node.meta["val"] = fake_value(node)
             if node.meta["val"] is None:
                 raise tr.NotATableRead("no example value")
             return node
