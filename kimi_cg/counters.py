@@ -31,6 +31,8 @@ Keys (missing keys read as 0):
                               gathers] in runtime/table_rows.py), per dynamo graph
   table_gather_pairs          of their bicubic resizes, those of the table's own grid planned as 4 row by 4
                               column taps, per dynamo graph
+  table_sums_split            per-item sums of two tables' reads split into one read per table, at least one
+                              side gathered (NOTE [sums of table reads] in canonicalize/table_gather.py), per graph
   metadata_cache_hits/misses  per-item host metadata lookups
   batch_cache_hits            calls whose whole host pass was reused (same grid, same weights)
   moved_batch_hits            of those, calls that reused the device copies of that batch's host outputs
