@@ -66,8 +66,12 @@ from kimi_cg.runtime.state_tokens import StateTokens  # noqa: E402
 
 PHASES = collections.Counter()
 SYNCHRONISE = True  # False with --cpu-time
-STATE_TOKENS = False  # --tower moonvit3d: also time the module-state check when synchronised
-VIDEO_FRACTION = 0.0  # --tower moonvit3d: bench.py's W4_3d streams
+THREE_D = False  # --tower moonvit3d: the W4_3d streams, and the module-state check timed when synchronised
+
+
+def video_fraction() -> float:
+    """The streams' share of video chunks: bench.py's W4_3d's for MoonViT3d, none for the 2D tower."""
+    return 0.2 if THREE_D else 0.0
 
 
 def timed(name: str, function):
@@ -93,7 +97,7 @@ def instrument() -> None:
     DeviceProgram.output_rows = timed("output_rows", DeviceProgram.output_rows)
     if SYNCHRONISE:
         torch.cuda.CUDAGraph.replay = timed("replay", torch.cuda.CUDAGraph.replay)
-        if STATE_TOKENS:
+        if THREE_D:
             StateTokens.validate = timed("state_tokens", StateTokens.validate)
     else:
         torch.cuda.CUDAGraph.replay = timed("graph_launch", torch.cuda.CUDAGraph.replay)
@@ -102,7 +106,7 @@ def instrument() -> None:
 
 def measure(system, requests) -> dict:
     names = ("call", "runner", "host", "item_values", "move", "fill", "replay", "output_rows",
-             *(("state_tokens",) if STATE_TOKENS else ())) if SYNCHRONISE else (
+             *(("state_tokens",) if THREE_D else ())) if SYNCHRONISE else (
         "call", "call_cpu", "runner", "host", "item_values", "state_tokens", "move", "fill", "output_rows", "graph_launch",
         "misses")
     per_request = collections.defaultdict(list)
@@ -133,7 +137,7 @@ def compare_resize(compiled, rounds: int = 6, requests: int = 30) -> dict:
         for index in range(rounds):
             label = "kernel" if index % 2 == 0 else "matrices"
             resize.use_triton = kernel_rule if label == "kernel" else (lambda x: False)
-            grids = bench.request_stream(20 + index, requests, video_fraction=VIDEO_FRACTION)
+            grids = bench.request_stream(20 + index, requests, video_fraction=video_fraction())
             stream = [bench.make_inputs(grid, 100 * index + i) for i, grid in enumerate(grids)]
             row = {k: round(v["mean_ms"], 3) for k, v in measure(compiled, stream).items()}
             rows[label].append(row)
@@ -165,12 +169,11 @@ def main() -> None:
     parser.add_argument("--smoke-test-on-cpu", action="store_true",
                         help="tiny config on the CPU (bucket path without capture), to check this script")
     args = parser.parse_args()
-    global SYNCHRONISE, STATE_TOKENS, VIDEO_FRACTION
-    three_d = args.tower == "moonvit3d"
+    global SYNCHRONISE, THREE_D
+    THREE_D = three_d = args.tower == "moonvit3d"
     config_class, model_class = ((MoonViT3dConfig, MoonViT3dPretrainedModel) if three_d
                                  else (MoonVitConfig, MoonVitPretrainedModel))
     config, options = config_class(), None
-    STATE_TOKENS, VIDEO_FRACTION = three_d, 0.2 if three_d else 0.0
     if args.smoke_test_on_cpu:
         bench.DEVICE, config, options = "cpu", config_class.tiny(), {"cuda_graphs": True}
     elif not torch.cuda.is_available():
@@ -188,7 +191,7 @@ def main() -> None:
     if args.warm_up_stream:
         start = time.perf_counter()
         with torch.no_grad():
-            for i, grid in enumerate(bench.warmup_stream(seed=40, video_fraction=VIDEO_FRACTION)):
+            for i, grid in enumerate(bench.warmup_stream(seed=40, video_fraction=video_fraction())):
                 compiled(*bench.make_inputs(grid, 500 + i))
         bench.synchronize()
         report["warm_up"] = {"stream_s": time.perf_counter() - start}
@@ -199,7 +202,7 @@ def main() -> None:
     if args.compare_resize:
         report["compare_resize"] = compare_resize(compiled)
     else:
-        streams = [bench.request_stream(seed, args.requests, video_fraction=VIDEO_FRACTION) for seed in (4, 9)]
+        streams = [bench.request_stream(seed, args.requests, video_fraction=video_fraction()) for seed in (4, 9)]
         stream = [bench.make_inputs(grid, 100 + i) for i, grid in enumerate(streams[0])]
         other = [bench.make_inputs(grid, 900 + i) for i, grid in enumerate(streams[1])]
         instrument()

@@ -315,7 +315,7 @@ def _split_table_sums(graph: torch.fx.Graph, activation: set, anchors: set) -> l
             continue
         made = []
 
-        def add(node: torch.fx.Node) -> torch.fx.Node:
+        def new_node(node: torch.fx.Node) -> torch.fx.Node:
             made.append(node)
             node.meta["stack_trace"] = cat.meta.get("stack_trace")
             node.meta["val"] = fake_value(node)
@@ -328,15 +328,15 @@ def _split_table_sums(graph: torch.fx.Graph, activation: set, anchors: set) -> l
                 sides = ([], [])
                 for piece, (full, other) in zip(pieces, found):
                     sizes = [size if isinstance(size, int) else
-                             add(graph.call_function(torch.ops.aten.sym_size.int, (full, d)))
+                             new_node(graph.call_function(torch.ops.aten.sym_size.int, (full, d)))
                              for d, size in enumerate(example_value(full).shape)]
-                    expanded = add(graph.call_method("expand", (other, *sizes)))
+                    expanded = new_node(graph.call_method("expand", (other, *sizes)))
                     for side, value in zip(sides, (full, expanded)):
-                        side.append(add(graph.create_node(piece.op, piece.target, (value, *piece.args[1:]),
+                        side.append(new_node(graph.create_node(piece.op, piece.target, (value, *piece.args[1:]),
                                                           dict(piece.kwargs))))
-                first, second = (add(graph.call_function(cat.target, (side, *cat.args[1:]), dict(cat.kwargs)))
+                first, second = (new_node(graph.call_function(cat.target, (side, *cat.args[1:]), dict(cat.kwargs)))
                                  for side in sides)
-                total = add(graph.call_function(operator.add, (first, second)))
+                total = new_node(graph.call_function(operator.add, (first, second)))
         except Exception:  # noqa: BLE001 - a form the fake values refuse: the cat stays as it was
             for node in reversed(made):
                 graph.erase_node(node)

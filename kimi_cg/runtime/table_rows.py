@@ -523,11 +523,11 @@ def table_scale(rows: TableRows, factor) -> TableRows:
     scale_check(factor)
     value = float(factor)
     rows = concrete(rows)
-    weight = weights(rows).clone()
     if rows.outer:
+        weight = weights(rows).clone()  # the plan's own weights (a kept read's) are never written
         weight[..., :rows.outer] *= value
     else:
-        weight *= value
+        weight = weights(rows) * value
     return TableRows(rows.index, weight, rows.axis, rows.dim, rows.outer)
 
 
