@@ -788,3 +788,21 @@ def test_host_block_writes_what_the_plain_fill_writes(device):
     assert kimi_cg.counters["host_block_copies"] - before == 40
     assert all(bucket.host_block is not None and len(bucket.host_block.stages) == 2 for bucket in blocked.buckets.values())
     assert blocked.host_block_bytes() > 0
+
+
+def test_buckets_live_on_the_activations_device_when_a_host_made_input_comes_first():
+    """NOTE [host block]: a host-made rows input stays on the host until the bucket's one copy, so the
+    bucket's device is that of an input the host program did not make, whatever the inputs' order (a
+    MoonViT3d program lists host-made table plans before its patches: its buckets were allocated on
+    the CPU and its device program failed to compile on CUDA). The meta device stands in for CUDA."""
+    from kimi_cg.runtime.graphs import BucketedGraphs, InputRule
+
+    rules = [InputRule("rows", host=True), InputRule("rows"), InputRule("size"), InputRule("cu_seqlens", host=True)]
+    graphs = BucketedGraphs(_Recorder(), rules, buckets=(16, 64), max_items=4, max_frames=1, capture=False,
+                            host_block=True)
+    args = [torch.zeros(10, 4, dtype=torch.int64), torch.empty(10, 3, device="meta"), 10,
+            torch.tensor([0, 4, 10], dtype=torch.int32)]
+    graphs.prepare(args)
+    for bucket in graphs.buckets.values():
+        assert {value.device.type for value in bucket.inputs if isinstance(value, torch.Tensor)} == {"meta"}
+        assert bucket.padding_steps.device.type == "meta"

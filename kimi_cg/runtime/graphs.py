@@ -634,6 +634,10 @@ class BucketedGraphs:
         # Per-call loops skip the static inputs (the weights, hundreds of them): they need no copy.
         self.padded = [(i, rule) for i, rule in enumerate(rules) if rule.kind != "static"]
         self.row_dims = [(i, rule.dim) for i, rule in self.padded if rule.kind == "rows"]  # (position, row dim)
+        # The buckets' device: a rows input the host program did not make (a host-made one may stay on the
+        # host until the bucket's copy, NOTE [host block]; MoonViT3d's program lists its table plans first).
+        self.device_position = next((i for i, rule in self.padded if rule.kind == "rows" and not rule.host),
+                                    self.row_dims[0][0] if self.row_dims else None)
         self.group_index_positions = [i for i, rule in self.padded if rule.kind == "row_index"]
         # NOTE [host block]: host-made inputs a bucket takes in one copy per call
         self.host_block_positions = [i for i, rule in self.padded if host_block and rule.host
@@ -980,7 +984,7 @@ class BucketedGraphs:
         return static
 
     def _device(self, inputs) -> torch.device:
-        return inputs[self.row_dims[0][0]].device
+        return inputs[self.device_position].device
 
     def _host_block(self, bucket: _Bucket) -> _HostBlock | None:
         positions = [i for i in self.host_block_positions if isinstance(bucket.inputs[i], torch.Tensor)]
