@@ -16,8 +16,8 @@ import weakref
 import torch
 
 from kimi_cg import capture, dynamo_settings
-from kimi_cg.canonicalize import (FuseGatherLayerNormPass, GatherReducePass, InlineRegionsPass, LinearGeluPass,
-                                  MergeGatherPass, PatchConvPass, RealRopePass, ScatterMergePass,
+from kimi_cg.canonicalize import (EmbeddingReadsPass, FuseGatherLayerNormPass, GatherReducePass, InlineRegionsPass,
+                                  LinearGeluPass, MergeGatherPass, PatchConvPass, RealRopePass, ScatterMergePass,
                                   SegmentAttentionPass, SeparableResizePass, TableGatherPass)
 from kimi_cg.canonicalize.compile_regions import has_regions
 from kimi_cg.config import KimiCGConfig
@@ -93,6 +93,7 @@ def _lift(work: torch.fx.GraphModule, pristine: torch.fx.GraphModule, inputs, ac
     RealRopePass(dump)(work)
     if config.table_gathers:
         TableGatherPass(dump)(work)
+        EmbeddingReadsPass(dump)(work)
     PatchConvPass(dump)(work)
     if config.linear_gelu_epilogue:
         LinearGeluPass(dump)(work)

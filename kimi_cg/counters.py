@@ -33,6 +33,9 @@ Keys (missing keys read as 0):
                               column taps, per dynamo graph
   table_sums_split            per-item sums of two tables' reads split into one read per table, at least one
                               side gathered (NOTE [sums of table reads] in canonicalize/table_gather.py), per graph
+  embedding_reads_gathered    reads of a module-state table by a grid-made index (table[index], embedding,
+                              embedding_bag) made device gathers (NOTE [embedding reads] in
+                              canonicalize/embedding_reads.py), per dynamo graph
   metadata_cache_hits/misses  per-item host metadata lookups
   batch_cache_hits            calls whose whole host pass was reused (same grid, same weights)
   moved_batch_hits            of those, calls that reused the device copies of that batch's host outputs

@@ -9,6 +9,7 @@ Invariants every pass keeps (see docs/design.md):
 
 from kimi_cg.canonicalize.base import GraphPass
 from kimi_cg.canonicalize.compile_regions import InlineRegionsPass, has_regions
+from kimi_cg.canonicalize.embedding_reads import EmbeddingReadsPass
 from kimi_cg.canonicalize.fuse_gather_layernorm import FuseGatherLayerNormPass
 from kimi_cg.canonicalize.gather_reduce import GatherReducePass
 from kimi_cg.canonicalize.linear_gelu import LinearGeluPass
@@ -20,6 +21,6 @@ from kimi_cg.canonicalize.segment_attention import SegmentAttentionPass
 from kimi_cg.canonicalize.separable_resize import SeparableResizePass
 from kimi_cg.canonicalize.table_gather import TableGatherPass
 
-__all__ = ["FuseGatherLayerNormPass", "GatherReducePass", "GraphPass", "InlineRegionsPass", "LinearGeluPass",
-           "MergeGatherPass", "PatchConvPass", "RealRopePass", "ScatterMergePass", "SegmentAttentionPass",
-           "SeparableResizePass", "TableGatherPass", "has_regions"]
+__all__ = ["EmbeddingReadsPass", "FuseGatherLayerNormPass", "GatherReducePass", "GraphPass", "InlineRegionsPass",
+           "LinearGeluPass", "MergeGatherPass", "PatchConvPass", "RealRopePass", "ScatterMergePass",
+           "SegmentAttentionPass", "SeparableResizePass", "TableGatherPass", "has_regions"]
