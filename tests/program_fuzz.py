@@ -156,7 +156,8 @@ STATEMENT_OPTIONS: dict[str, dict[str, tuple]] = {
         "flatten": ("reshape", "flatten"),
     },
     # torch.arange-based row / column ids per item into embeddings or as numbers.
-    "ids": {"form": ("repeat", "divmod", "expand"), "use": ("embedding", "float")},
+    # (index / bag: a table read by the ids, NOTE [embedding reads]: table[ids] from both ends, an embedding_bag)
+    "ids": {"form": ("repeat", "divmod", "expand"), "use": ("embedding", "float", "index", "bag")},
     # 2D rotary embedding: from ids (angles) or from a complex table sliced per item.
     "rope": {"source": ("ids", "table", "lazy_table"), "apply": ("complex", "rotate_half", "complex_heads")},
     "attention": {
@@ -522,6 +523,16 @@ def _ids(out: _Writer, s: Statement) -> None:
         out.member(f"self.col_emb{k} = nn.Embedding({LARGEST_SIDE}, {width})")
         out.limit_side(LARGEST_SIDE)
         out.line(f"x = x + self.row_emb{k}({rows}) + self.col_emb{k}({cols})")
+    elif s.get("use") == "index":
+        out.member(f'self.register_buffer("id_table{k}", torch.randn({LARGEST_SIDE}, {width}))')
+        out.limit_side(LARGEST_SIDE)
+        out.line(f"x = x + self.id_table{k}[{rows}] - self.id_table{k}[-1 - {cols}]")
+    elif s.get("use") == "bag":
+        out.member(f"self.id_bag{k} = nn.Parameter(torch.randn({LARGEST_SIDE}, {width}))")
+        out.limit_side(LARGEST_SIDE)
+        out.imports.add("F")
+        out.line(f"taps{k} = torch.stack([{rows}, {cols}, ({rows} + {cols}) // 2], dim=1)")
+        out.line(f"x = x + F.embedding_bag(taps{k}, self.id_bag{k}, per_sample_weights=(taps{k} + 1).float().reciprocal(), mode='sum')")
     else:
         out.member(f"self.id_scale{k} = nn.Parameter(torch.randn({width}) * 0.1)")
         out.line(f"x = x + ({rows} - {cols}).float()[:, None] * self.id_scale{k}")

@@ -83,6 +83,8 @@ class _Reads(torch.nn.Module):
         pos = pos + self.time_table[frame] + self.ids(rows % 7)
         if self.form == "read_back":  # a value the host reads: the reads stay with the host
             pos = pos[: int((pos[:, 0] > -1e9).sum())]
+        elif self.form == "grid_number":  # a number from the grid in an op after the reads: they stay too
+            pos = pos * (1 + int(grid[0, 0] > 6))
         return self.proj(x + pos)
 
 
@@ -136,16 +138,18 @@ def test_an_index_out_of_range_raises_as_in_eager(options):
         torch.testing.assert_close(_call(compiled, GRIDS[1], 2), _call(model, GRIDS[1], 2), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("form", ["max_norm", "offsets", "read_back"])
+@pytest.mark.parametrize("form", ["max_norm", "offsets", "read_back", "grid_number"])
 def test_forms_left_alone_stay_host_reads_and_stay_right(form):
     torch.manual_seed(0)
     model = _Reads(form)
     compiled = _compiled(model, {})
     with torch.no_grad():
-        for seed, grid in enumerate(GRIDS[:3]):
+        for seed, grid in enumerate([*GRIDS[:3], [[7, 2]]]):
             torch.testing.assert_close(_call(compiled, grid, seed), _call(model, grid, seed), atol=1e-5, rtol=1e-5)
-    if form == "read_back":
+    if form in ("read_back", "grid_number"):
         assert kimi_cg.counters["embedding_reads_gathered"] == 0
+    if form == "grid_number":  # left to the host, the graph is still lifted
+        assert not kimi_cg.fallbacks, dict(kimi_cg.fallbacks)
     elif form == "offsets":  # the time row and the embedding still move; the bag does not
         assert kimi_cg.counters["embedding_reads_gathered"] >= 2
     # (max_norm writes the table in place where a row's norm exceeds it: the graph is not lifted at all)

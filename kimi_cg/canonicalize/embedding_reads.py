@@ -115,8 +115,9 @@ def _host_made(graph: torch.fx.Graph, inputs) -> set:
 
 
 def _reaches_activations_as_tensors(node: torch.fx.Node, activation: set) -> bool:
-    """Every use of node, through ops that are not activation work, is a tensor op whose value reaches
-    activation work in the end (nothing the host must read back, no graph output of its own)."""
+    """Every use of node, through ops that are not activation work, is a tensor op taking no number made
+    from the grid, whose value reaches activation work in the end (nothing the host must read back, no
+    graph output of its own)."""
     seen, stack = set(), [node]
     while stack:
         current = stack.pop()
@@ -126,6 +127,10 @@ def _reaches_activations_as_tensors(node: torch.fx.Node, activation: set) -> boo
             if user in activation or user in seen:
                 continue
             if user.op not in ("call_function", "call_method") or not isinstance(example_value(user), torch.Tensor):
+                return False
+            # A number from the grid in a device op would fail the lift (NOTE [device symbols] in lift.py)
+            if any(isinstance(example_value(arg), (torch.SymInt, torch.SymFloat, torch.SymBool)) and arg.op != "placeholder"
+                   for arg in user.all_input_nodes):
                 return False
             seen.add(user)
             stack.append(user)
