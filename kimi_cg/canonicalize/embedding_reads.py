@@ -58,7 +58,7 @@ _EMBEDDING = inspect.signature(F.embedding)
 def embedding_plan(index: torch.Tensor, weight: torch.Tensor | None, rows: int, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Host: the table-gather plan (index [R, K] int64, weight [R, K] float32) of a read of a table of
     ``rows`` rows: ``kind`` "getitem" (``table[index]``, K = 1), "sum" or "mean" (embedding_bag over
-    index [R, K], ``weight`` its per_sample_weights or None; "embedding" is "sum" over index[:, None])."""
+    index [R, K], ``weight`` its per_sample_weights or None; ``F.embedding`` is "sum" over index[:, None])."""
     index = index.to(device="cpu", dtype=torch.int64)
     low = -rows if kind == "getitem" else 0
     if index.numel() and (int(index.min()) < low or int(index.max()) >= rows):
