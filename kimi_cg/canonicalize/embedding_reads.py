@@ -45,6 +45,7 @@ from kimi_cg import capture
 from kimi_cg.aliasing import Aliasing
 from kimi_cg.capture import example_value
 from kimi_cg.canonicalize.base import GraphPass
+from kimi_cg.canonicalize.table_gather import activation_devices
 from kimi_cg.counters import counters
 from kimi_cg.errors import UnsupportedGraphError
 from kimi_cg.lift import activation_dependent_nodes
@@ -146,8 +147,7 @@ class EmbeddingReadsPass(GraphPass):
         activation = activation_dependent_nodes(graph, inputs)
         host_made = _host_made(graph, inputs)
         mutated = Aliasing(graph).mutated
-        devices = {example_value(item.node).device for item in inputs if item.role is capture.InputRole.ACTIVATION
-                   and isinstance(example_value(item.node), torch.Tensor)}
+        devices = activation_devices(inputs)  # a table elsewhere stays a host read
         rewritten, left = [], []
         for node in list(graph.nodes):
             found = _read(node)

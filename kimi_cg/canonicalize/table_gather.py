@@ -228,6 +228,12 @@ def _feeds_device(node: torch.fx.Node, activation: set, depth: int = 4) -> bool:
     return True
 
 
+def activation_devices(inputs) -> set:
+    """The devices of the graph's activation inputs (a device gather runs there; one device expected)."""
+    return {example_value(item.node).device for item in inputs if item.role is capture.InputRole.ACTIVATION
+            and isinstance(example_value(item.node), torch.Tensor)}
+
+
 def _table_anchor(node: torch.fx.Node) -> int | None:
     """The feature size of a module-state tensor the pass can gather from (static shape, float or complex)."""
     value = example_value(node)
@@ -363,8 +369,7 @@ class TableGatherPass(GraphPass):
         anchors = [item.node for item in inputs if item.role is capture.InputRole.MODULE_STATE]
         # The device program runs where the activations are: a table elsewhere (built on a CPU grid's
         # device) stays a host read, copied in as before.
-        devices = {example_value(item.node).device for item in inputs if item.role is capture.InputRole.ACTIVATION
-                   and isinstance(example_value(item.node), torch.Tensor)}
+        devices = activation_devices(inputs)
         splits = _split_table_sums(graph, activation, set(anchors))  # NOTE [sums of table reads]
         gathered = []
         for anchor in anchors:
