@@ -178,3 +178,33 @@ def test_transformers_kimi_k25_tower_reads_its_position_tables_on_the_device(opt
     # value (a product of the grid's positions with inv_freq, not a read): one content check a call
     assert kimi_cg.counters["embedding_reads_gathered"] >= 2
     assert kimi_cg.counters["state_content_checks"] <= len(grids)
+
+
+class _FactoredReads(torch.nn.Module):
+    """Per item a row table's rows 0..h-1 plus a column table's rows 0..w-1, broadcast to [h, w] and flattened: the
+    reads' rows are not patch rows (a factored 2D position embedding)."""
+
+    def __init__(self, dim: int = 6):
+        super().__init__()
+        self.row_emb = torch.nn.Embedding(8, dim)
+        self.col_emb = torch.nn.Embedding(8, dim)
+        self.proj = torch.nn.Linear(dim, dim)
+
+    def forward(self, x, grid):
+        terms = []
+        for h, w in grid.tolist():
+            terms.append((self.row_emb(torch.arange(h))[:, None] + self.col_emb(torch.arange(w))[None]).flatten(0, 1))
+        return self.proj(x + torch.cat(terms))
+
+
+def test_reads_whose_rows_are_not_patch_rows_stay_host_reads_and_keep_the_buckets():
+    """The host-made value the device takes keeps its rows, the bucket's padding rule unchanged: reads of h or w
+    rows broadcast and flattened per item stay with the host (moved, their plans would be padded as patch rows)."""
+    torch.manual_seed(0)
+    model = _FactoredReads()
+    compiled = _compiled(model, PATHS[1])
+    with torch.no_grad():
+        for seed, grid in enumerate([[[1, 4], [3, 5]], [[2, 2]], [[4, 1], [5, 3], [2, 6]], [[1, 4], [3, 5]]]):
+            torch.testing.assert_close(_call(compiled, grid, seed), _call(model, grid, seed), atol=1e-5, rtol=1e-5)
+    assert kimi_cg.counters["embedding_reads_gathered"] == 0
+    assert kimi_cg.counters["padded_runs"] > 0 and kimi_cg.counters["eager_fallbacks"] == 0, dict(kimi_cg.counters)

@@ -28,7 +28,8 @@ padding_idx changes gradients only) and ``F.embedding_bag(index, table, ...)`` (
 max_norm, no padding_idx, mode "sum" or "mean"; per_sample_weights only with "sum"), where the table is a
 2-dim floating tensor of constant shape made from module state alone, on the activations' device, never
 written, and the index depends on the grid or sizes and not on activations; the read's row count is not a
-constant, and its value reaches activation work only through tensor ops (nothing the host must read back).
+constant, and its value reaches activation work only through tensor ops that keep its rows (nothing the host
+must read back).
 """
 
 from __future__ import annotations
@@ -117,8 +118,8 @@ def _host_made(graph: torch.fx.Graph, inputs) -> set:
 
 def _reaches_activations_as_tensors(node: torch.fx.Node, activation: set) -> bool:
     """Every use of node, through ops that are not activation work, is a tensor op taking no number made
-    from the grid, whose value reaches activation work in the end (nothing the host must read back, no
-    graph output of its own)."""
+    from the grid and keeping the rows of an input, whose value reaches activation work in the end (nothing
+    the host must read back, no graph output of its own)."""
     seen, stack = set(), [node]
     while stack:
         current = stack.pop()
@@ -133,9 +134,25 @@ def _reaches_activations_as_tensors(node: torch.fx.Node, activation: set) -> boo
             if any(isinstance(example_value(arg), (torch.SymInt, torch.SymFloat, torch.SymBool)) and arg.op != "placeholder"
                    for arg in user.all_input_nodes):
                 return False
+            # Rows kept (an op of tensors of one row count keeps it; dynamo asserted two symbols of an
+            # elementwise op equal): the host-made value the device took before, where the host's work
+            # ended, had the read's rows, so the plan is padded by the same rule. Reads of h rows broadcast
+            # to [h, w] and flattened stay host reads: their plans are not patch rows.
+            if not any(_same_rows(example_value(arg), example_value(user)) for arg in user.all_input_nodes):
+                return False
             seen.add(user)
             stack.append(user)
     return True
+
+
+def _same_rows(a, b) -> bool:
+    """Both tensors of one leading size (the same symbol expression or number)."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() and b.dim()):
+        return False
+    x, y = a.shape[0], b.shape[0]
+    if isinstance(x, torch.SymInt) and isinstance(y, torch.SymInt):
+        return x.node.expr == y.node.expr
+    return type(x) is type(y) and x == y
 
 
 class EmbeddingReadsPass(GraphPass):
