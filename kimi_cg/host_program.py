@@ -167,7 +167,8 @@ def install_item_cache(gm: torch.fx.GraphModule, grid_placeholders: set[torch.fx
             continue
         if isinstance(value, torch.Tensor) or node.meta.get(TABLE_ROWS):  # NOTE [table gathers]
             item_tensor[node] = frozenset(input_rows)
-        elif isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool):
+        elif (isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool)
+              or node.target in (gather_plan.row_size, gather_plan.row_numel)):  # a stand-in's size (no meta)
             rows[node] = frozenset(input_rows)
     singles = {node: r for node, r in item_tensor.items() if len(r) == 1}
     frontier = [node for node in singles if any(singles.get(user) != singles[node] for user in node.users)]
@@ -457,6 +458,75 @@ def read_grids_once(gm: torch.fx.GraphModule, grid_placeholders: set[torch.fx.No
     return rewritten
 
 
+# NOTE [grid scalars by item]
+# A tower may read a grid integer as a 0-dim tensor and keep computing with tensors: MoonViT3d's
+# ``is_video = (grid_thws[i, 0] > 1).to(dtype)`` scales item i's time-table read. Indexing the grid
+# tensor makes the value depend on the whole grid for the per-item cache, so the scaled read, its
+# expand to the item's rows and its flatten ran in every call, seen sizes or not (on the 2-core CPU
+# host ~0.15 ms per item of a W4_3d request). Such an indexing, ``grid[i, j]`` (or ``grid[i][j]``)
+# with literal ints giving a 0-dim tensor of a grid nothing writes, becomes ``grid_scalar`` of the
+# list read ``grid.tolist()[i][j]`` (NOTE [grid read once]): a new tensor of the same value, dtype and
+# device, which depends on item i alone, so the work after it joins item i's cached value. An index
+# out of range raises IndexError either way.
+def grid_scalar(value: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """NOTE [grid scalars by item]: ``grid[i, j]`` made from the integer the list read gave."""
+    return torch.tensor(value, dtype=dtype, device=device)
+
+
+def grid_scalars_by_item(gm: torch.fx.GraphModule, grid_placeholders: set[torch.fx.Node]) -> int:
+    """NOTE [grid scalars by item]: rewrite 0-dim tensor indexings of grids; returns how many."""
+    graph = gm.graph
+    mutated = Aliasing(graph).mutated
+    lists: dict[torch.fx.Node, torch.fx.Node] = {}
+    rewritten = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not operator.getitem or node in mutated:
+            continue
+        value = example_value(node)
+        if not isinstance(value, torch.Tensor) or value.dim() != 0:
+            continue
+        path = _grid_scalar_path(node, grid_placeholders)
+        if path is None or path[0] in mutated:
+            continue
+        source, indices = path
+        if source not in lists:
+            with graph.inserting_after(source):
+                lists[source] = graph.call_method("tolist", (source,))
+        read = lists[source]
+        with graph.inserting_before(node):
+            for index in indices:
+                read = graph.call_function(operator.getitem, (read, index))
+            scalar = graph.call_function(grid_scalar, (read, value.dtype, value.device))
+        scalar.meta.update(node.meta)
+        node.replace_all_uses_with(scalar)
+        chain = node
+        while chain is not source and not chain.users:  # drop the indexings nothing else reads
+            parent = chain.args[0]
+            graph.erase_node(chain)
+            chain = parent
+        rewritten += 1
+    if rewritten:
+        graph.lint()
+        gm.recompile()
+    return rewritten
+
+
+def _grid_scalar_path(node: torch.fx.Node, grid_placeholders: set[torch.fx.Node]):
+    """(grid, [i, j]) when ``node`` is grid[i, j] or grid[i][j] of a 2-D grid with literal ints; else None."""
+    indices = []
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is operator.getitem:
+        index = node.args[1]
+        parts = list(index) if isinstance(index, tuple) else [index]
+        if not all(type(part) is int for part in parts):
+            return None
+        indices[:0] = parts
+        node = node.args[0]
+    grid = example_value(node) if node in grid_placeholders else None
+    if not isinstance(grid, torch.Tensor) or grid.dim() != 2 or len(indices) != 2:
+        return None
+    return node, indices
+
+
 # NOTE [repeated host reads]
 # Each layer of a tower re-reads the segment boundaries it was handed: MoonViT's flash path checks
 # ``cu_seqlens[-1].item() == L`` and takes ``(cu_seqlens[1:] - cu_seqlens[:-1]).max().item()`` in
@@ -607,6 +677,7 @@ class HostProgram:
                     const_nodes.add(node)
         self.direct_calls = call_host_functions(self.gm)
         self.slice_offsets = slice_offsets_from_integers(self.gm)
+        self.grid_scalars = grid_scalars_by_item(self.gm, grid_nodes)
         self.items_cached = install_item_cache(self.gm, grid_nodes, const_nodes, owner, cache_bytes)
         self.grid_reads = read_grids_once(self.gm, grid_nodes)
         self.reads_merged = merge_repeated_reads(self.gm)

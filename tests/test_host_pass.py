@@ -114,3 +114,54 @@ def test_table_constants_fold_once_per_derivation_and_read_alike():
     assert any(node.target is table_rows.table_permute for node in broken.graph.nodes)
     with pytest.raises(table_rows.NotATableRead):
         broken(2, 3)
+
+
+def test_grid_scalars_read_as_tensors_join_their_items_cached_values():
+    """NOTE [grid scalars by item]: MoonViT3d's ``is_video = (grid_thws[i, 0] > 1)`` scales item i's time-table read;
+    the read, its expand and flatten are item i's cached value, so a batch of seen sizes in a new order runs none of
+    them (no per-item miss), and outputs equal eager's with videos and images mixed."""
+    torch.manual_seed(0)
+    model = MoonViT3dPretrainedModel(MoonViT3dConfig.tiny()).eval()
+    before = {id(runner) for runner in live_runners()}
+    compiled = torch.compile(model, backend="kimi_cg", options={"cuda_graphs": True, "token_budgets": [256, 1024]})
+    seen = [[[1, 4, 6], [3, 2, 8]], [[2, 6, 4], [1, 8, 2]]]
+    kimi_cg.testing.assert_matches_eager(model, compiled, pixel_inputs("cpu", torch.float32), grids=seen,
+                                         no_fallbacks=True)
+    hosts = _host_programs(before)
+    assert sum(host.grid_scalars for host in hosts) >= 2
+    for host in hosts:
+        top = {node.target for node in host.gm.graph.nodes}
+        assert not any(getattr(target, "__name__", "") in ("table_scale", "table_expand") for target in top), host.gm.code
+    misses = kimi_cg.counters["metadata_cache_misses"]
+    kimi_cg.testing.assert_matches_eager(model, compiled, pixel_inputs("cpu", torch.float32),
+                                         grids=[[[1, 8, 2], [3, 2, 8]], [[2, 6, 4], [1, 4, 6]]], no_fallbacks=True)
+    assert kimi_cg.counters["metadata_cache_misses"] == misses
+
+
+class _IndexedGrid(torch.nn.Module):
+    """Reads grid[i, 0] as a tensor (a scale per item) and grid[i][1] through a row; writes nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(8, 4))
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x, grid):
+        terms = []
+        for i, (t, n) in enumerate(grid.tolist()):
+            scale = (grid[i, 0] * 2 + grid[i][1]).to(x.dtype)
+            terms.append((self.table[:n] * scale).repeat(t, 1))
+        return self.proj(x + torch.cat(terms))
+
+
+def test_grid_scalar_rewrite_keeps_values_and_dtypes():
+    torch.manual_seed(0)
+    model = _IndexedGrid()
+    before = {id(runner) for runner in live_runners()}
+    compiled = torch.compile(model, backend="kimi_cg", options={"cuda_graphs": True, "token_budgets": [64]})
+    with torch.no_grad():
+        for grid in ([[1, 3], [2, 5]], [[2, 2], [1, 7], [3, 1]], [[2, 5], [1, 3]]):
+            grid = torch.tensor(grid)
+            x = torch.randn(int((grid[:, 0] * grid[:, 1]).sum()), 4)
+            torch.testing.assert_close(compiled(x, grid), model(x, grid), rtol=1e-5, atol=1e-5)
+    assert sum(host.grid_scalars for host in _host_programs(before)) >= 2  # grid[i, 0] and grid[i][1]

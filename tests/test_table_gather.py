@@ -191,7 +191,7 @@ def _step(draw, rows):
     """A random step for a read of ``rows``' rank: (name, function of a read)."""
     ndim = rows.ndim
     kind = draw(st.sampled_from(["permute", "unsqueeze", "squeeze", "flatten", "reshape", "view", "contiguous",
-                                 "getitem", "transpose"]))
+                                 "getitem", "transpose", "repeat"]))
     if kind == "permute":
         dims = draw(st.permutations(range(ndim)))
         return kind, lambda r: tr.table_permute(r, *dims)
@@ -216,7 +216,20 @@ def _step(draw, rows):
     if kind == "getitem":
         dim = draw(st.integers(0, ndim - 1))
         return kind, lambda r: tr.table_getitem(r, (slice(None),) * dim + (slice(0, 1),))
+    if kind == "repeat":  # unit sizes keep a PairGrid as it is; others tile the plan
+        sizes = [1 if d == rows.axis else draw(st.integers(1, 3)) for d in range(ndim)]
+        return kind, lambda r: tr.table_repeat(r, *sizes)
     return kind, tr.table_identity
+
+
+@settings(max_examples=80, deadline=None)
+@given(shape=st.lists(st.integers(0, 4), min_size=1, max_size=4), data=st.data())
+def test_tiled_equals_repeat(shape, data):
+    tensor = torch.randint(-5, 100, shape, dtype=torch.int32)
+    sizes = tuple(data.draw(st.lists(st.integers(0, 3), min_size=len(shape), max_size=len(shape)), label="sizes"))
+    assert torch.equal(tr.tiled(tensor, sizes), tensor.repeat(*sizes))
+    weights = torch.randn(shape).transpose(0, -1)  # strided input too
+    assert torch.equal(tr.tiled(weights, sizes[::-1]), weights.repeat(*sizes[::-1]))
 
 
 @settings(max_examples=120, deadline=None)

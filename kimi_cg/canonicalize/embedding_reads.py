@@ -195,7 +195,7 @@ class EmbeddingReadsPass(GraphPass):
             return "the index is not an integer tensor"
         if index in activation or index not in host_made:
             return "the index is not made from the grid and sizes alone"
-        if index_value.dim() != (2 if kind in ("sum", "mean") and node.target is F.embedding_bag else 1):
+        if index_value.dim() != (2 if node.target is F.embedding_bag else 1):
             return "the index does not have one row per read row"
         if weight is not None:
             weight_value = example_value(weight)
