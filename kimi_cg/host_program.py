@@ -462,8 +462,9 @@ def read_grids_once(gm: torch.fx.GraphModule, grid_placeholders: set[torch.fx.No
 # A tower may read a grid integer as a 0-dim tensor and keep computing with tensors: MoonViT3d's
 # ``is_video = (grid_thws[i, 0] > 1).to(dtype)`` scales item i's time-table read. Indexing the grid
 # tensor makes the value depend on the whole grid for the per-item cache, so the scaled read, its
-# expand to the item's rows and its flatten ran in every call, seen sizes or not (on the 2-core CPU
-# host ~0.15 ms per item of a W4_3d request). Such an indexing, ``grid[i, j]`` (or ``grid[i][j]``)
+# expand to the item's rows and its flatten ran in every call, seen sizes or not (with the cheaper
+# repeats below, a W4_3d request of seen sizes in a new batch: ~4.5 -> ~2.9 ms of host pass on the
+# 2-core CPU host, docs/benchmarks.md 2026-12-08). Such an indexing, ``grid[i, j]`` (or ``grid[i][j]``)
 # with literal ints giving a 0-dim tensor of a grid nothing writes, becomes ``grid_scalar`` of the
 # list read ``grid.tolist()[i][j]`` (NOTE [grid read once]): a new tensor of the same value, dtype and
 # device, which depends on item i alone, so the work after it joins item i's cached value. An index
