@@ -438,13 +438,7 @@ def read_grids_once(gm: torch.fx.GraphModule, grid_placeholders: set[torch.fx.No
         while len(chain) < len(path):
             chain.append(chain[-1].args[0])
         source = chain[-1].args[0]
-        if source not in lists:
-            with graph.inserting_after(source):
-                lists[source] = graph.call_method("tolist", (source,))
-        value = lists[source]
-        with graph.inserting_before(node):
-            for index in path:  # grid[i][j]: the outer index first
-                value = graph.call_function(operator.getitem, (value, index))
+        value = _list_read(graph, lists, source, path, before=node)
         value.meta.update(node.meta)  # the symbol it stands for, to name it in errors
         node.replace_all_uses_with(value)
         graph.erase_node(node)
@@ -456,6 +450,19 @@ def read_grids_once(gm: torch.fx.GraphModule, grid_placeholders: set[torch.fx.No
         graph.lint()
         gm.recompile()
     return rewritten
+
+
+def _list_read(graph: torch.fx.Graph, lists: dict, source: torch.fx.Node, path, before: torch.fx.Node) -> torch.fx.Node:
+    """``source.tolist()[i][j]`` (the outer index first) inserted before ``before``; one ``tolist`` per
+    grid, kept in ``lists`` (NOTE [grid read once])."""
+    if source not in lists:
+        with graph.inserting_after(source):
+            lists[source] = graph.call_method("tolist", (source,))
+    value = lists[source]
+    with graph.inserting_before(before):
+        for index in path:
+            value = graph.call_function(operator.getitem, (value, index))
+    return value
 
 
 # NOTE [grid scalars by item]
@@ -490,13 +497,8 @@ def grid_scalars_by_item(gm: torch.fx.GraphModule, grid_placeholders: set[torch.
         if path is None or path[0] in mutated:
             continue
         source, indices = path
-        if source not in lists:
-            with graph.inserting_after(source):
-                lists[source] = graph.call_method("tolist", (source,))
-        read = lists[source]
+        read = _list_read(graph, lists, source, indices, before=node)
         with graph.inserting_before(node):
-            for index in indices:
-                read = graph.call_function(operator.getitem, (read, index))
             scalar = graph.call_function(grid_scalar, (read, value.dtype, value.device))
         scalar.meta.update(node.meta)
         node.replace_all_uses_with(scalar)
